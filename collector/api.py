@@ -1,0 +1,232 @@
+"""The REST API (JSON under ``/api/v1``), health endpoints and ``/metrics``.
+
+Shapes are the contract of the design brief, section 3. Queries run in a
+thread pool so a slow read never stalls ingest. Errors are JSON:
+``{"error": "..."}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from collector.ingest import bearer_ok
+from collector.openapi import openapi_document
+from collector.telemetry import CollectorTelemetry
+from detectors.critical_path import critical_path
+from spikehound.model import Cause, Span, Spike
+from spikehound.timefmt import NS, parse_time, rfc3339
+from storage.reader import Reader
+
+T = TypeVar("T")
+DEFAULT_RANGE_NS = 3600 * NS
+_TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+_OPEN_PATHS = ("/healthz", "/readyz")
+
+READER = web.AppKey("reader", Reader)
+TELEMETRY = web.AppKey("telemetry", CollectorTelemetry)
+READY = web.AppKey("ready", Callable[[], Awaitable[tuple[bool, str]]])
+EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def make_api(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[], Awaitable[tuple[bool, str]]],
+             token: str) -> web.Application:
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if token and request.path not in _OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), token):
+            return _json({"error": "missing or wrong bearer token"}, 401)
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _json({"error": str(exc)}, exc.status)
+
+    app = web.Application(middlewares=[guard])
+    app[READER] = reader
+    app[TELEMETRY] = telemetry
+    app[READY] = ready
+    app[EXECUTOR] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spikehound-api")
+
+    async def shutdown_executor(app: web.Application) -> None:
+        app[EXECUTOR].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(shutdown_executor)
+    r = app.router
+    r.add_get("/healthz", healthz)
+    r.add_get("/readyz", readyz)
+    r.add_get("/metrics", metrics)
+    r.add_get("/api/v1/openapi.json", openapi)
+    r.add_get("/api/v1/traces/{trace_id}", get_trace)
+    r.add_get("/api/v1/services", get_services)
+    r.add_get("/api/v1/latency", get_latency)
+    r.add_get("/api/v1/hosts", get_hosts)
+    r.add_get("/api/v1/metrics", get_metrics)
+    r.add_get("/api/v1/spikes", get_spikes)
+    r.add_get("/api/v1/spikes/{spike_id}", get_spike)
+    return app
+
+
+async def _run(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(request.app[EXECUTOR], fn, *args)
+
+
+def _time_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse_time(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"{name}: {exc}") from None
+
+
+def _range(request: web.Request) -> tuple[int, int]:
+    until = _time_param(request, "until", time.time_ns())
+    since = _time_param(request, "since", until - DEFAULT_RANGE_NS)
+    if since >= until:
+        raise ApiError(400, "since must be before until")
+    return since, until
+
+
+def _limit(request: web.Request, default: int, most: int) -> int:
+    raw = request.query.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise ApiError(400, f"limit must be a whole number from 1 to {most}")
+    return int(raw)
+
+
+# --- serialisation ----------------------------------------------------------------------------
+
+
+def span_json(s: Span) -> dict[str, Any]:
+    return {
+        "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+        "parent_span_id": s.parent_span_id.hex() if s.parent_span_id else None,
+        "service": s.service, "host": s.host, "name": s.name, "kind": s.kind.name,
+        "start": rfc3339(s.start_unix_nano), "start_unix_nano": s.start_unix_nano,
+        "duration_ns": s.duration_ns, "status": s.status.name, "attributes": s.attributes,
+        "resource": s.resource, "events": s.events,
+    }
+
+
+def cause_json(c: Cause) -> dict[str, Any]:
+    return {"kind": str(c.kind), "service": c.service, "operation": c.operation, "peer_service": c.peer_service,
+            "host": c.host, "resource": c.resource, "score": c.score, "baseline": c.baseline,
+            "observed": c.observed, "unit": c.unit, "summary": c.summary}
+
+
+def spike_json(s: Spike) -> dict[str, Any]:
+    return {"id": s.id, "service": s.service, "operation": s.operation, "state": s.state,
+            "start": rfc3339(s.start_unix_nano), "end": rfc3339(s.end_unix_nano),
+            "p99_ms": s.p99_ns / 1e6, "baseline_p99_ms": s.baseline_p99_ns / 1e6,
+            "causes": [cause_json(c) for c in s.causes],
+            "exemplar_trace_ids": [t.hex() for t in s.exemplar_trace_ids]}
+
+
+# --- handlers ---------------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ok, reason = await request.app[READY]()
+    return _json({"status": "ready" if ok else "not ready", "reason": reason}, 200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[TELEMETRY].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return _json(openapi_document())
+
+
+async def get_trace(request: web.Request) -> web.Response:
+    trace_id = request.match_info["trace_id"]
+    if not _TRACE_ID.match(trace_id):
+        raise ApiError(400, "trace id must be 32 hex digits")
+    spans = await _run(request, request.app[READER].trace, bytes.fromhex(trace_id))
+    if not spans:
+        raise ApiError(404, f"trace {trace_id.lower()} not found")
+    path = critical_path(spans)
+    return _json({"trace_id": trace_id.lower(), "spans": [span_json(s) for s in spans],
+                  "critical_path": [p.hex() for p in path]})
+
+
+async def get_services(request: web.Request) -> web.Response:
+    services = await _run(request, request.app[READER].services)
+    return _json({"services": [{"service": name, "operations": ops} for name, ops in services]})
+
+
+async def get_latency(request: web.Request) -> web.Response:
+    service = request.query.get("service")
+    if not service:
+        raise ApiError(400, "service is required")
+    operation = request.query.get("operation") or None
+    since, until = _range(request)
+    windows = await _run(request, request.app[READER].latency, service, operation, since, until,
+                         _limit(request, 10_000, 100_000))
+    return _json({"points": [{"t": rfc3339(w.start_unix_nano), "operation": w.operation, "count": w.count,
+                              "p50_ms": w.p50_ns / 1e6, "p95_ms": w.p95_ns / 1e6, "p99_ms": w.p99_ns / 1e6,
+                              "max_ms": w.max_ns / 1e6} for w in windows]})
+
+
+async def get_hosts(request: web.Request) -> web.Response:
+    hosts = await _run(request, request.app[READER].hosts)
+    return _json({"hosts": [{"host": h.host, "last_seen": rfc3339(h.last_seen_unix_nano),
+                             "metrics": list(h.metrics)} for h in hosts]})
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    host = request.query.get("host") or None
+    name = request.query.get("name") or None
+    if host is None and name is None:
+        raise ApiError(400, "give host, name or both")
+    since, until = _range(request)
+    series, truncated = await _run(request, request.app[READER].metrics, host, name, since, until,
+                                   _limit(request, 20_000, 200_000))
+    return _json({"series": [{"host": s.host, "name": s.name, "attributes": s.attributes, "unit": s.unit,
+                              "points": [{"t": rfc3339(t), "value": v} for t, v in s.points]}
+                             for s in series], "truncated": truncated})
+
+
+async def get_spikes(request: web.Request) -> web.Response:
+    state = request.query.get("state") or None
+    if state not in (None, "open", "resolved"):
+        raise ApiError(400, "state must be open or resolved")
+    since = _time_param(request, "since", 0) if "since" in request.query else None
+    until = _time_param(request, "until", 0) if "until" in request.query else None
+    spikes = await _run(request, request.app[READER].spikes, request.query.get("service") or None,
+                        since, until, state, _limit(request, 500, 10_000))
+    return _json({"spikes": [spike_json(s) for s in spikes]})
+
+
+async def get_spike(request: web.Request) -> web.Response:
+    spike_id = request.match_info["spike_id"]
+    spike = await _run(request, request.app[READER].spike, spike_id)
+    if spike is None:
+        raise ApiError(404, f"spike {spike_id} not found")
+    return _json(spike_json(spike))

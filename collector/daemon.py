@@ -1,0 +1,136 @@
+"""The collector daemon: wires storage, the ingest pipeline, the receivers and the API.
+
+>>> from spikehound.config import load
+>>> c = Collector(load(env={}, flags={"storage.url": "sqlite:///:memory:"}))
+>>> c.name
+'collector'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from aiohttp import web
+
+from collector.api import make_api
+from collector.ingest import Ingest
+from collector.ingest_queue import IngestQueue
+from collector.otlp_grpc import start_grpc
+from collector.otlp_http import HttpReceiver
+from collector.pipeline import IngestPipeline
+from collector.telemetry import CollectorTelemetry
+from spikehound.config import Config, HostPort, redact_url
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.reader import Reader
+from storage.writer import Writer
+
+log = logging.getLogger("spikehound.collector")
+
+GRPC_GRACE_SECONDS = 10.0
+
+
+async def _start_site(app: web.Application, listen: HostPort, what: str) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, listen.host, listen.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot listen for {what} on {listen}: {exc.strerror}") from None
+    port = runner.addresses[0][1]
+    log.info("%s listening on %s", what, HostPort(listen.host, port))
+    return runner, port
+
+
+class Collector:
+    """One collector process. Ports given as 0 are chosen by the OS; see ``*_port`` after start."""
+
+    name = "collector"
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.telemetry = CollectorTelemetry()
+        self.grpc_port = self.http_port = self.api_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._runners: list[web.AppRunner] = []
+        self._pipeline: IngestPipeline | None = None
+        self._pipeline_task: asyncio.Task[None] | None = None
+        self._failed: asyncio.Future[None] | None = None
+        self._listening = False
+
+    async def start(self) -> None:
+        cfg, c = self.cfg, self.cfg.collector
+        loop = asyncio.get_running_loop()
+        self._failed = loop.create_future()
+        url = cfg.database_url
+        log.info("storage %s", redact_url(url))
+        engine = make_engine(url, sqlite_synchronous=cfg.storage.sqlite_synchronous)
+        revision = await loop.run_in_executor(None, upgrade, engine)
+        log.info("schema at revision %s", revision)
+        self.engine = engine
+        queue = IngestQueue(c.queue_capacity)
+        self.telemetry.queue_capacity.set(c.queue_capacity)
+        self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
+        self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
+        self._pipeline_task.add_done_callback(self._watch)
+        ingest = Ingest(queue, self.telemetry, c.retry_after_seconds)
+        if (not c.otlp_grpc.is_loopback and not c.otlp_token) or (not c.otlp_http.is_loopback and not c.otlp_token):
+            log.warning("OTLP receivers listen beyond loopback without collector.otlp_token: any host that "
+                        "reaches them can send data")
+        try:
+            api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token)
+            runner, self.api_port = await _start_site(api, c.api, "API")
+            self._runners.append(runner)
+            self._grpc, self.grpc_port = await start_grpc(ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes)
+            http = HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app()
+            runner, self.http_port = await _start_site(http, c.otlp_http, "OTLP/HTTP")
+            self._runners.append(runner)
+        except BaseException:
+            await self.stop()
+            raise
+        self._listening = True
+
+    def _watch(self, task: asyncio.Task[None]) -> None:
+        if self._failed is None or self._failed.done():
+            return
+        if task.cancelled():
+            self._failed.set_exception(RuntimeError("ingest pipeline cancelled"))
+        elif task.exception() is not None:
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+        elif self._listening:
+            self._failed.set_exception(RuntimeError("ingest pipeline ended"))
+
+    def failed(self) -> asyncio.Future[None]:
+        assert self._failed is not None, "start() first"
+        return self._failed
+
+    async def _ready(self) -> tuple[bool, str]:
+        if not self._listening:
+            return False, "starting"
+        if self._pipeline is None or not self._pipeline.healthy:
+            return False, "storage writes are failing"
+        return True, "ok"
+
+    async def stop(self) -> None:
+        """Stop taking data, commit everything accepted, then close."""
+        self._listening = False
+        if self._grpc is not None:
+            await self._grpc.stop(GRPC_GRACE_SECONDS)  # in-flight exports still get their commit
+        for runner in reversed(self._runners[1:]):  # receivers first, the API last
+            await runner.cleanup()
+        if self._pipeline is not None and self._pipeline_task is not None:
+            self._pipeline.stop()
+            if not self._pipeline_task.done():
+                await self._pipeline_task
+            self._pipeline.close()
+        if self._runners:
+            await self._runners[0].cleanup()
+        self._runners.clear()
+        if self._failed is not None and not self._failed.done():
+            self._failed.cancel()
+        if getattr(self, "engine", None) is not None:
+            self.engine.dispose()

@@ -1,0 +1,77 @@
+"""The bounded ingest queue between the receivers and the storage writer.
+
+Capacity is counted in spans plus points and covers everything not yet
+committed, including the batch being written, so memory stays bounded however
+fast senders push. A full queue raises ``QueueFull`` at once: receivers turn
+it into ``RESOURCE_EXHAUSTED`` / 429 so the sender retries later instead of
+the collector dropping data silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from spikehound.model import MetricPoint, Span
+
+
+class QueueFull(Exception):
+    """No room for this request right now; the sender should retry after a pause."""
+
+
+@dataclass(slots=True)
+class Submission:
+    """One accepted request, waiting for its commit."""
+
+    spans: list[Span]
+    points: list[MetricPoint]
+    committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def __len__(self) -> int:
+        return len(self.spans) + len(self.points)
+
+
+class IngestQueue:
+    """FIFO of submissions with a capacity in items; use from the event loop only."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.items = 0  # queued plus being written
+        self._queue: deque[Submission] = deque()
+        self._ready = asyncio.Event()
+
+    def offer(self, spans: list[Span], points: list[MetricPoint]) -> Submission:
+        """Queue a request or raise QueueFull; await ``.committed`` for the commit."""
+        size = len(spans) + len(points)
+        # A request larger than the whole capacity still gets in when the queue is empty.
+        if self.items and self.items + size > self.capacity:
+            raise QueueFull(f"ingest queue full ({self.items} of {self.capacity} items waiting)")
+        sub = Submission(spans, points)
+        self._queue.append(sub)
+        self.items += size
+        self._ready.set()
+        return sub
+
+    async def take(self, max_items: int, timeout: float) -> list[Submission]:
+        """Up to ``max_items`` (at least one submission); empty after ``timeout`` s without any."""
+        if not self._queue:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                return []
+        taken = [self._queue.popleft()]
+        size = len(taken[0])
+        while self._queue and size + len(self._queue[0]) <= max_items:
+            sub = self._queue.popleft()
+            size += len(sub)
+            taken.append(sub)
+        return taken
+
+    def release(self, submissions: list[Submission]) -> None:
+        """Give back the room of written (or failed) submissions."""
+        self.items -= sum(len(s) for s in submissions)
+
+    def pending(self) -> int:
+        return len(self._queue)

@@ -1,0 +1,135 @@
+"""The OpenAPI 3.1 document served at ``/api/v1/openapi.json``."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from spikehound import __version__
+
+
+def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required if required is not None else list(props)}
+
+
+def _nullable(kind: str) -> dict[str, Any]:
+    return {"type": [kind, "null"]}
+
+
+def _query(name: str, description: str, required: bool = False) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": required, "description": description,
+            "schema": {"type": "string"}}
+
+
+def _ok(schema_ref: str, description: str) -> dict[str, Any]:
+    return {"200": {"description": description,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}},
+            "400": {"$ref": "#/components/responses/BadRequest"}}
+
+
+TIME = {"type": "string", "format": "date-time", "description": "RFC 3339, UTC"}
+SINCE = _query("since", "RFC 3339 time or unix seconds; default one hour before until")
+UNTIL = _query("until", "RFC 3339 time or unix seconds; default now")
+
+SCHEMAS: dict[str, Any] = {
+    "Error": _obj({"error": {"type": "string"}}),
+    "Span": _obj({
+        "trace_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+        "span_id": {"type": "string", "pattern": "^[0-9a-f]{16}$"},
+        "parent_span_id": _nullable("string"), "service": {"type": "string"}, "host": _nullable("string"),
+        "name": {"type": "string"},
+        "kind": {"enum": ["SERVER", "CLIENT", "INTERNAL", "PRODUCER", "CONSUMER"]},
+        "start": TIME, "start_unix_nano": {"type": "integer"}, "duration_ns": {"type": "integer"},
+        "status": {"enum": ["UNSET", "OK", "ERROR"]}, "attributes": {"type": "object"},
+        "resource": {"type": "object"}, "events": {"type": "array", "items": {"type": "object"}},
+    }),
+    "Trace": _obj({"trace_id": {"type": "string"},
+                   "spans": {"type": "array", "items": {"$ref": "#/components/schemas/Span"}},
+                   "critical_path": {"type": "array", "items": {"type": "string"},
+                                     "description": "span ids that determined the trace's end time"}}),
+    "Services": _obj({"services": {"type": "array", "items": _obj({
+        "service": {"type": "string"}, "operations": {"type": "array", "items": {"type": "string"}}})}}),
+    "Latency": _obj({"points": {"type": "array", "items": _obj({
+        "t": TIME, "operation": {"type": "string"}, "count": {"type": "integer"},
+        "p50_ms": {"type": "number"}, "p95_ms": {"type": "number"}, "p99_ms": {"type": "number"},
+        "max_ms": {"type": "number"}})}}),
+    "Hosts": _obj({"hosts": {"type": "array", "items": _obj({
+        "host": {"type": "string"}, "last_seen": TIME,
+        "metrics": {"type": "array", "items": {"type": "string"}}})}}),
+    "Metrics": _obj({"series": {"type": "array", "items": _obj({
+        "host": {"type": "string"}, "name": {"type": "string"}, "attributes": {"type": "object"},
+        "unit": {"type": "string"},
+        "points": {"type": "array", "items": _obj({"t": TIME, "value": {"type": "number"}})}})},
+        "truncated": {"type": "boolean"}}),
+    "Cause": _obj({
+        "kind": {"enum": ["span", "service", "network", "resource"]}, "service": _nullable("string"),
+        "operation": _nullable("string"), "peer_service": _nullable("string"), "host": _nullable("string"),
+        "resource": _nullable("string"), "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "baseline": _nullable("number"), "observed": _nullable("number"), "unit": _nullable("string"),
+        "summary": {"type": "string"}}),
+    "Spike": _obj({
+        "id": {"type": "string"}, "service": {"type": "string"}, "operation": {"type": "string"},
+        "state": {"enum": ["open", "resolved"]}, "start": TIME, "end": {"type": ["string", "null"]},
+        "p99_ms": {"type": "number"}, "baseline_p99_ms": {"type": "number"},
+        "causes": {"type": "array", "items": {"$ref": "#/components/schemas/Cause"}},
+        "exemplar_trace_ids": {"type": "array", "items": {"type": "string"}}}),
+    "Spikes": _obj({"spikes": {"type": "array", "items": {"$ref": "#/components/schemas/Spike"}}}),
+}
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    not_found = {"404": {"$ref": "#/components/responses/NotFound"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "spikehound collector API", "version": __version__,
+                 "description": "p99 spikes, their causes and the evidence: traces, latency and host metrics."},
+        "paths": {
+            "/api/v1/traces/{trace_id}": {"get": {
+                "summary": "All spans of one trace, with its critical path",
+                "parameters": [{"name": "trace_id", "in": "path", "required": True,
+                                "schema": {"type": "string", "pattern": "^[0-9a-fA-F]{32}$"}}],
+                "responses": {**_ok("Trace", "the trace"), **not_found}}},
+            "/api/v1/services": {"get": {"summary": "Services and their operations (span names)",
+                                         "responses": _ok("Services", "services")}},
+            "/api/v1/latency": {"get": {
+                "summary": "p50/p95/p99 per closed event-time window of a stream",
+                "parameters": [_query("service", "service name", True),
+                               _query("operation", "operation (span name); all when omitted"), SINCE, UNTIL,
+                               _query("limit", "most points (default 10000)")],
+                "responses": _ok("Latency", "windows, oldest first")}},
+            "/api/v1/hosts": {"get": {"summary": "Hosts that sent data, with their metric names",
+                                      "responses": _ok("Hosts", "hosts")}},
+            "/api/v1/metrics": {"get": {
+                "summary": "Resource samples by host and/or metric name",
+                "parameters": [_query("host", "host.name"), _query("name", "metric name"), SINCE, UNTIL,
+                               _query("limit", "most points in all (default 20000)")],
+                "responses": _ok("Metrics", "series, points oldest first")}},
+            "/api/v1/spikes": {"get": {
+                "summary": "Spikes, newest first",
+                "parameters": [_query("service", "service name"), SINCE, UNTIL,
+                               _query("state", "open or resolved"), _query("limit", "most spikes (default 500)")],
+                "responses": _ok("Spikes", "spikes")}},
+            "/api/v1/spikes/{spike_id}": {"get": {
+                "summary": "One spike with its ranked causes and exemplar traces",
+                "parameters": [{"name": "spike_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {**_ok("Spike", "the spike"), **not_found}}},
+            "/healthz": {"get": {"summary": "The process is alive", "responses": {"200": {"description": "ok"}}}},
+            "/readyz": {"get": {"summary": "Receivers listen and storage answers",
+                                "responses": {"200": {"description": "ready"},
+                                              "503": {"description": "not ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus text exposition of the collector's own metrics",
+                                 "responses": {"200": {"description": "metrics"}}}},
+        },
+        "components": {
+            "schemas": SCHEMAS,
+            "responses": {
+                "BadRequest": {"description": "invalid parameter",
+                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+                "NotFound": {"description": "no such object",
+                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+            },
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "required when collector.api_token is set"}},
+        },
+    }

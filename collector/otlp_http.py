@@ -1,0 +1,133 @@
+"""OTLP/HTTP receiver: ``POST /v1/traces`` and ``/v1/metrics``, protobuf or JSON, gzip or not.
+
+Answers follow the OTLP/HTTP specification: the response (or the error
+``google.rpc.Status``) is encoded like the request; overload is 429 and a
+storage failure 503, both with ``Retry-After``; bad payloads are 400, an
+unknown media type 415 and an oversized body 413, each with a message.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from google.rpc import status_pb2
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable, bearer_ok
+from spikehound.otlp import (
+    Decoded,
+    PayloadError,
+    decode_metrics,
+    decode_spans,
+    parse_metrics_request,
+    parse_trace_request,
+)
+
+log = logging.getLogger("spikehound.collector.http")
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+_MEDIA_TYPES = {PROTOBUF: False, "application/protobuf": False, JSON: True}
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    # Decompress with a cap so that a small gzip bomb cannot exhaust memory.
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise PayloadError(f"invalid gzip body: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise _TooLarge(f"decompressed body exceeds {limit} bytes")
+    if not inflater.eof:
+        raise PayloadError("invalid gzip body: truncated")
+    return out
+
+
+class HttpReceiver:
+    def __init__(self, ingest: Ingest, token: str, max_request_bytes: int) -> None:
+        self.ingest = ingest
+        self.token = token
+        self.max_request_bytes = max_request_bytes
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_request_bytes)
+        app.router.add_post("/v1/traces", self.traces)
+        app.router.add_post("/v1/metrics", self.metrics)
+        return app
+
+    async def traces(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "spans", parse_trace_request, decode_spans,
+                                  ExportTraceServiceResponse, "rejected_spans")
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "metrics", parse_metrics_request, decode_metrics,
+                                  ExportMetricsServiceResponse, "rejected_data_points")
+
+    async def _handle(self, request: web.Request, signal: str, parse: Callable[..., Any],
+                      decode: Callable[[Any], Decoded], response_type: type[Message],
+                      rejected_field: str) -> web.StreamResponse:
+        counted = self.ingest.telemetry.rejected_requests
+        if not bearer_ok(request.headers.get("Authorization"), self.token):
+            counted.labels("http", "unauthenticated").inc()
+            return web.json_response({"code": 16, "message": "missing or wrong bearer token"}, status=401)
+        media = request.content_type
+        if media not in _MEDIA_TYPES:
+            counted.labels("http", "unsupported_media_type").inc()
+            return web.json_response({"code": 3, "message": f"unsupported Content-Type {media!r}; "
+                                      f"use {PROTOBUF} or {JSON}"}, status=415)
+        as_json = _MEDIA_TYPES[media]
+        encoding = request.headers.get("Content-Encoding", "identity").lower()
+        if encoding not in ("gzip", "identity", ""):
+            counted.labels("http", "unsupported_encoding").inc()
+            return self._status(as_json, 415, f"unsupported Content-Encoding {encoding!r}; use gzip or none")
+        try:
+            body = await request.read()
+            if encoding == "gzip":
+                body = _gunzip(body, self.max_request_bytes)
+            decoded = decode(parse(body, json=as_json))
+        except (web.HTTPRequestEntityTooLarge, _TooLarge):
+            counted.labels("http", "too_large").inc()
+            return self._status(as_json, 413, f"request body exceeds {self.max_request_bytes} bytes")
+        except PayloadError as exc:
+            counted.labels("http", "bad_payload").inc()
+            return self._status(as_json, 400, str(exc))
+        try:
+            accepted = await self.ingest.submit(decoded, signal, "http")
+        except InvalidPayload as exc:
+            return self._status(as_json, 400, str(exc))
+        except Overloaded as exc:
+            return self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
+        except Unavailable as exc:
+            return self._status(as_json, 503, str(exc), retry_after=exc.retry_after)
+        response = response_type()
+        if accepted.rejected:
+            setattr(response.partial_success, rejected_field, accepted.rejected)
+            response.partial_success.error_message = accepted.message
+        return self._encode(response, as_json, 200)
+
+    def _status(self, as_json: bool, http_status: int, message: str,
+                retry_after: int | None = None) -> web.Response:
+        grpc_code = {400: 3, 413: 3, 415: 3, 429: 8, 503: 14}.get(http_status, 2)
+        response = self._encode(status_pb2.Status(code=grpc_code, message=message), as_json, http_status)
+        if retry_after is not None:
+            response.headers["Retry-After"] = str(retry_after)
+        return response
+
+    @staticmethod
+    def _encode(message: Message, as_json: bool, http_status: int) -> web.Response:
+        if as_json:
+            text = json_format.MessageToJson(message, indent=None)
+            return web.Response(status=http_status, text=text, content_type=JSON)
+        return web.Response(status=http_status, body=message.SerializeToString(), content_type=PROTOBUF)

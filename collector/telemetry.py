@@ -1,0 +1,63 @@
+"""The collector's own metrics, served on ``/metrics`` (Prometheus text exposition).
+
+Every instance gets its own registry, so tests can run several collectors in
+one process. Names follow Prometheus conventions: ``_total`` for counters,
+base units (seconds, items).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+
+class _CounterFunc(Collector):
+    """Counters owned by pure computation (the detectors), read when scraped."""
+
+    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (doc, value) in self._read().items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class CollectorTelemetry:
+    """All counters and gauges of one collector."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.received = Counter("spikehound_ingest_received", "Spans or metric points received, before validation.",
+                                ["signal", "protocol"], registry=r)
+        self.stored = Counter("spikehound_ingest_stored", "Spans or metric points committed to storage.",
+                              ["signal"], registry=r)
+        self.rejected = Counter("spikehound_ingest_rejected",
+                                "Spans or metric points rejected as invalid (reported to the sender, not retried).",
+                                ["signal", "reason"], registry=r)
+        self.dropped = Counter("spikehound_ingest_dropped",
+                               "Spans or metric points not stored because the collector could not take them "
+                               "(queue full, storage down); the sender was told to retry.",
+                               ["signal", "reason"], registry=r)
+        self.rejected_requests = Counter("spikehound_ingest_rejected_requests",
+                                         "Whole export requests refused before decoding.",
+                                         ["protocol", "reason"], registry=r)
+        self.queue_items = Gauge("spikehound_ingest_queue_items",
+                                 "Spans and points accepted but not yet committed.", registry=r)
+        self.queue_capacity = Gauge("spikehound_ingest_queue_capacity",
+                                    "Most spans and points the ingest queue holds.", registry=r)
+        self.write_seconds = Histogram("spikehound_storage_write_seconds", "Time to commit one write batch.",
+                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                                       registry=r)
+        self.write_errors = Counter("spikehound_storage_write_errors", "Write batches that failed to commit.",
+                                    registry=r)
+        self.windows_closed = Counter("spikehound_latency_windows_closed",
+                                      "Event-time latency windows closed and stored.", registry=r)
+        self.retention_deleted = Counter("spikehound_retention_deleted", "Rows deleted by retention.",
+                                         ["table"], registry=r)
+
+    def add_counter_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        self.registry.register(_CounterFunc(read))

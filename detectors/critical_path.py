@@ -1,0 +1,103 @@
+"""The critical path of one trace: the chain of spans that really set its end time.
+
+Walk backwards from a span's end: the child that finished last (but not after
+the cursor) is what the span was waiting for; recurse into it, move the cursor
+to that child's start and look again among the children that finished before
+it. Time a span spends with no such child under the cursor is its own self
+time, so the span itself is always on the path. Children that overrun their
+parent are cut at the parent's end; children that start at or after the
+cursor are skipped (nothing before the end was waiting for them).
+
+The walk is iterative (deep traces cannot overflow the stack), visits each span
+once (cycles and duplicated span ids cannot make it loop) and sorts each
+visited span's children once, so it costs O(n log n).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spikehound.model import Span
+
+__all__ = ["critical_path"]
+
+
+def critical_path(spans: Sequence[Span]) -> list[bytes]:
+    """Span ids on the critical path of the trace made of ``spans``, ordered by start time.
+
+    The path starts at the root: a span without a parent, or whose parent is
+    not among ``spans`` (or is itself). With several such spans, the one that
+    ended last is taken (ties: the longest). Of duplicated span ids the first
+    occurrence counts.
+
+    >>> from spikehound.model import SpanKind, StatusCode
+    >>> def span(i, parent, start, end):
+    ...     return Span(trace_id=bytes(16), span_id=bytes([i]), parent_span_id=parent and bytes([parent]),
+    ...                 service="svc", host=None, name=f"op{i}", kind=SpanKind.INTERNAL,
+    ...                 start_unix_nano=start, end_unix_nano=end, status=StatusCode.UNSET, attributes={})
+    >>> trace = [span(1, None, 0, 100),   # root
+    ...          span(2, 1, 5, 20),       # cache lookup, overlapped by the db query
+    ...          span(3, 1, 10, 60),      # db query
+    ...          span(4, 1, 60, 95)]      # render, waits for the db query
+    >>> [s[0] for s in critical_path(trace)]
+    [1, 3, 4]
+    >>> critical_path([])
+    []
+    """
+    by_id: dict[bytes, Span] = {}
+    for s in spans:
+        by_id.setdefault(s.span_id, s)
+    if not by_id:
+        return []
+
+    children: dict[bytes, list[Span]] = {}
+    roots: list[Span] = []
+    for s in by_id.values():
+        parent = s.parent_span_id
+        if parent is None or parent == s.span_id or parent not in by_id:
+            roots.append(s)
+        else:
+            children.setdefault(parent, []).append(s)
+
+    # Only a pure parent cycle leaves no root; then any span is as good a start
+    # as another, so use the same rule over all of them.
+    candidates = roots or list(by_id.values())
+    root = max(candidates, key=lambda s: (s.end_unix_nano, s.duration_ns, s.span_id))
+
+    # (start, depth, span_id): depth breaks start ties so a parent precedes a
+    # child that starts with it.
+    on_path: list[tuple[int, int, bytes]] = []
+    visited: set[bytes] = set()
+    # (span, its end cut at its parent's effective end, depth)
+    stack: list[tuple[Span, int, int]] = [(root, root.end_unix_nano, 0)]
+    while stack:
+        span, eff_end, depth = stack.pop()
+        if span.span_id in visited:
+            continue
+        visited.add(span.span_id)
+        on_path.append((span.start_unix_nano, depth, span.span_id))
+
+        kids = children.get(span.span_id)
+        if not kids:
+            continue
+        # Latest (clamped) end first; on equal ends the longer child, then the
+        # span id, so the answer does not depend on input order.
+        ordered = sorted(
+            kids,
+            key=lambda c: (min(c.end_unix_nano, eff_end), -c.start_unix_nano, c.span_id),
+            reverse=True,
+        )
+        cursor = eff_end
+        for child in ordered:
+            if cursor <= span.start_unix_nano:
+                break
+            child_end = min(child.end_unix_nano, eff_end)
+            if child_end > cursor or child.start_unix_nano >= cursor:
+                # Ends after the cursor (overlapped by a later pick), or lies
+                # wholly after it: the parent was not waiting on it.
+                continue
+            stack.append((child, child_end, depth + 1))
+            cursor = child.start_unix_nano
+
+    on_path.sort()
+    return [span_id for _, _, span_id in on_path]

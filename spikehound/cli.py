@@ -1,0 +1,191 @@
+"""The ``spikehound`` command: one entry point for every daemon and tool.
+
+This is the only core module that knows every package; each command imports
+what it needs when it runs, so ``spikehound --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from spikehound import __version__
+from spikehound.config import Config, ConfigError, effective, load, to_toml
+
+DEFAULT_API_URL = "http://127.0.0.1:8470"
+
+# Flag -> configuration key; flags beat environment variables, which beat the file.
+COLLECTOR_FLAGS = {"db": "storage.url", "api": "collector.api", "otlp_grpc": "collector.otlp_grpc",
+                   "otlp_http": "collector.otlp_http", "log_level": "log.level", "log_format": "log.format"}
+
+
+def _config(args: argparse.Namespace) -> Config:
+    flags = {key: getattr(args, flag, None) for flag, key in COLLECTOR_FLAGS.items()}
+    names = {key: "--" + flag.replace("_", "-") for flag, key in COLLECTOR_FLAGS.items()}
+    return load(args.config, flags=flags, flag_names=names)
+
+
+def _add_config_flags(p: argparse.ArgumentParser, *, listeners: bool = True) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file (default: $SPIKEHOUND_CONFIG)")
+    p.add_argument("--db", metavar="URL", help="database URL: sqlite:///PATH or postgresql://USER@HOST/DB")
+    if listeners:
+        p.add_argument("--api", metavar="HOST:PORT", help="REST API listen address (default 127.0.0.1:8470)")
+        p.add_argument("--otlp-grpc", metavar="HOST:PORT", help="OTLP/gRPC listen address (default 0.0.0.0:4317)")
+        p.add_argument("--otlp-http", metavar="HOST:PORT", help="OTLP/HTTP listen address (default 0.0.0.0:4318)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
+    p.add_argument("--log-format", choices=["plain", "json"], help="log line format")
+
+
+def cmd_collector(args: argparse.Namespace) -> int:
+    from collector.daemon import Collector
+    from spikehound import logs
+    from spikehound.lifecycle import serve
+
+    cfg = _config(args)
+    logs.setup(cfg.log.level, cfg.log.format)
+    try:
+        return asyncio.run(serve(Collector(cfg)))
+    except OSError as exc:
+        print(f"spikehound collector: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    sys.stdout.write(to_toml(effective(cfg)))
+    print("# configuration is valid", file=sys.stderr)
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from storage.engine import make_engine
+    from storage.migrate import upgrade
+
+    cfg = _config(args)
+    revision = upgrade(make_engine(cfg.database_url, sqlite_synchronous=cfg.storage.sqlite_synchronous))
+    print(f"database schema at revision {revision}")
+    return 0
+
+
+def _api_get(base: str, path: str, params: dict[str, str] | None = None) -> Any:
+    query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+    request = urllib.request.Request(base.rstrip("/") + path + (f"?{query}" if query else ""))
+    token = os.environ.get("SPIKEHOUND_COLLECTOR_API_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def _print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
+
+
+def cmd_spikes(args: argparse.Namespace) -> int:
+    body = _api_get(args.api_url, "/api/v1/spikes", {"since": args.since, "service": args.service,
+                                                     "state": args.state})
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    rows = [(s["id"], s["state"], s["start"], s["service"], s["operation"],
+             f"{s['p99_ms']:.1f}", f"{s['baseline_p99_ms']:.1f}",
+             s["causes"][0]["summary"] if s["causes"] else "-") for s in body["spikes"]]
+    if not rows:
+        print("no spikes")
+        return 0
+    _print_table(rows, ("ID", "STATE", "START", "SERVICE", "OPERATION", "P99 MS", "BASE MS", "TOP CAUSE"))
+    return 0
+
+
+def cmd_spike(args: argparse.Namespace) -> int:
+    spike = _api_get(args.api_url, f"/api/v1/spikes/{urllib.parse.quote(args.id, safe='')}")
+    if args.json:
+        print(json.dumps(spike, indent=2))
+        return 0
+    print(f"spike {spike['id']} ({spike['state']}) on {spike['service']} {spike['operation']}")
+    print(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
+          f"against a baseline of {spike['baseline_p99_ms']:.1f} ms")
+    for rank, cause in enumerate(spike["causes"], 1):
+        print(f"  {rank}. [{cause['kind']}] {cause['summary']} (explains {cause['score']:.0%})")
+    for trace_id in spike["exemplar_trace_ids"]:
+        print(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from spikehound.demo import run_demo
+
+    return run_demo(requests=args.requests, keep=args.keep, rate=args.rate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spikehound", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"spikehound {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("collector", help="run the central collector (OTLP in, storage, detectors, API)")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_collector)
+
+    p = sub.add_parser("check-config", help="validate the configuration and print the effective values")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("db", help="database maintenance")
+    db = p.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    up = db.add_parser("upgrade", help="apply schema migrations (also done at collector start)")
+    _add_config_flags(up, listeners=False)
+    up.set_defaults(func=cmd_db_upgrade)
+
+    for name, helptext, func in (("spikes", "list spikes from the collector's API", cmd_spikes),
+                                 ("spike", "show one spike with its causes", cmd_spike)):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--api-url", default=os.environ.get("SPIKEHOUND_API_URL", DEFAULT_API_URL),
+                       help=f"collector API URL (default $SPIKEHOUND_API_URL or {DEFAULT_API_URL})")
+        p.add_argument("--json", action="store_true", help="print the API's JSON")
+        if name == "spikes":
+            p.add_argument("--since", help="RFC 3339 time or unix seconds")
+            p.add_argument("--service", help="only this service")
+            p.add_argument("--state", choices=["open", "resolved"], help="only open or resolved spikes")
+        else:
+            p.add_argument("id", help="spike id")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("demo", help="run a collector and an instrumented app on a temporary SQLite database")
+    p.add_argument("--requests", type=int, default=600, help="requests the demo app sends (default 600)")
+    p.add_argument("--rate", type=float, default=40.0, help="requests per second (default 40)")
+    p.add_argument("--keep", action="store_true", help="keep the collector running at the end")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"spikehound: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    except urllib.error.HTTPError as exc:
+        print(f"spikehound: {exc.url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}",
+              file=sys.stderr)
+        return 1
+    except urllib.error.URLError as exc:
+        print(f"spikehound: cannot reach the collector API: {exc.reason}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""The one typed configuration tree, loaded from layers.
+
+Precedence, highest first: command-line flags, ``SPIKEHOUND_*`` environment
+variables, the TOML file, defaults. Every key is ``section.key`` (or a bare
+top-level key); its environment variable is ``SPIKEHOUND_SECTION_KEY``.
+
+A bad key or value raises ``ConfigError`` whose message is one line naming the
+key, where the value came from and what is wrong:
+
+>>> load(env={"SPIKEHOUND_COLLECTOR_API": "nowhere"})
+Traceback (most recent call last):
+...
+spikehound.config.ConfigError: collector.api (from SPIKEHOUND_COLLECTOR_API): expected HOST:PORT, got 'nowhere'
+>>> load(env={}, flags={"storage.url": "sqlite:///tmp/x.db"}).storage.url
+'sqlite:///tmp/x.db'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+ENV_PREFIX = "SPIKEHOUND_"
+ENV_CONFIG_FILE = "SPIKEHOUND_CONFIG"  # names the TOML file; not itself a setting
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded as one line for the operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    """A listen address such as ``0.0.0.0:4317`` or ``[::1]:4318``."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> HostPort:
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        if not 0 <= int(port) <= 65535:
+            raise ValueError(f"port {port} is out of range 0-65535")
+        return cls(host.strip("[]"), int(port))
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _default_data_dir() -> str:
+    # systemd's StateDirectory= hands us the directory; otherwise follow the FHS / XDG split.
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    if os.geteuid() == 0:
+        return "/var/lib/spikehound"
+    return str(Path.home() / ".local" / "state" / "spikehound")
+
+
+@dataclass(slots=True)
+class StorageConfig:
+    """Where and how long data is kept."""
+
+    # SQLAlchemy URL; empty means SQLite file spikehound.db in data_dir.
+    url: str = ""
+    # Raw spans older than this (by arrival) are deleted; window aggregates are kept.
+    span_retention_hours: float = 72.0
+    # Metric samples older than this (by arrival) are deleted.
+    metric_retention_hours: float = 168.0
+    # SQLite durability: NORMAL survives a killed process, FULL also survives power loss.
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+
+
+@dataclass(slots=True)
+class CollectorConfig:
+    """The central collector: receivers, ingest queue, API."""
+
+    api: HostPort = field(default_factory=lambda: HostPort("127.0.0.1", 8470))
+    otlp_grpc: HostPort = field(default_factory=lambda: HostPort("0.0.0.0", 4317))
+    otlp_http: HostPort = field(default_factory=lambda: HostPort("0.0.0.0", 4318))
+    # Bearer token the REST API requires; mandatory when the API listens beyond loopback.
+    api_token: str = ""
+    # Bearer token OTLP senders must present; strongly advised when OTLP listens beyond loopback.
+    otlp_token: str = ""
+    # Spans + points waiting to be committed; beyond it senders are told to retry later.
+    queue_capacity: int = 200_000
+    # Most items committed in one transaction (several requests are merged up to it).
+    batch_max_items: int = 20_000
+    # Largest OTLP request accepted, after gzip decompression.
+    max_request_bytes: int = 32 * 1024 * 1024
+    # Seconds a sender is asked to wait (Retry-After) when the queue is full.
+    retry_after_seconds: int = 1
+    # Event-time window that latency aggregates are cut into.
+    window_seconds: float = 10.0
+    # How late (event time) a span may arrive and still count in its window.
+    allowed_lateness_seconds: float = 5.0
+    # After this much wall-clock idleness the watermark catches up and open windows close.
+    idle_flush_seconds: float = 3.0
+    # Most (service, operation) latency streams tracked; the rest are counted as overflow.
+    max_streams: int = 10_000
+    # URL that links in alerts and CLI output point at.
+    public_url: str = ""
+
+
+@dataclass(slots=True)
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["plain", "json"] = "plain"
+
+
+@dataclass(slots=True)
+class Config:
+    """The whole tree. Sections are attributes; see docs/configuration.md."""
+
+    data_dir: str = field(default_factory=_default_data_dir)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    collector: CollectorConfig = field(default_factory=CollectorConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def database_url(self) -> str:
+        return self.storage.url or f"sqlite:///{Path(self.data_dir) / 'spikehound.db'}"
+
+
+SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
+
+
+def load(path: str | os.PathLike[str] | None = None, *, env: typing.Mapping[str, str] | None = None,
+         flags: typing.Mapping[str, Any] | None = None,
+         flag_names: typing.Mapping[str, str] | None = None) -> Config:
+    """Build the configuration from its layers; raise ConfigError on the first problem."""
+    env = os.environ if env is None else env
+    cfg = Config()
+    path = path or env.get(ENV_CONFIG_FILE)
+    if path:
+        for key, value in _read_toml(Path(path)).items():
+            _assign(cfg, key, value, f"{path}")
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
+            _assign(cfg, _env_key(name), value, name)
+    for key, value in (flags or {}).items():
+        if value is not None:
+            source = (flag_names or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
+            _assign(cfg, key, value, source)
+    _check(cfg)
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            for sub, subvalue in value.items():
+                flat[f"{key}.{sub}"] = subvalue
+        else:
+            flat[key] = value
+    return flat
+
+
+def _env_key(name: str) -> str:
+    rest = name[len(ENV_PREFIX):].lower()
+    section, _, key = rest.partition("_")
+    return f"{section}.{key}" if section in SECTIONS and key else rest
+
+
+def _assign(cfg: Config, key: str, raw: Any, source: str) -> None:
+    section_name, _, name = key.rpartition(".")
+    target: Any = getattr(cfg, section_name, None) if section_name else cfg
+    known = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
+    if (section_name and section_name not in SECTIONS) or name not in known or name in SECTIONS:
+        raise ConfigError(f"{key} (from {source}): unknown setting")
+    hint = typing.get_type_hints(type(target))[name]
+    try:
+        value = _coerce(raw, hint)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key} (from {source}): {exc}") from None
+    setattr(target, name, value)
+
+
+def _coerce(raw: Any, hint: Any) -> Any:
+    if hint is HostPort:
+        if isinstance(raw, HostPort):
+            return raw
+        if not isinstance(raw, str):
+            raise ValueError(f"expected HOST:PORT, got {raw!r}")
+        return HostPort.parse(raw)
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        text = raw if not isinstance(raw, str) else raw.strip()
+        lowered = {str(c).lower(): c for c in choices}
+        if str(text).lower() in lowered:
+            return lowered[str(text).lower()]
+        raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {raw!r}")
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(raw).strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {raw!r}")
+    if hint is int:
+        if isinstance(raw, bool | float):
+            raise ValueError(f"expected a whole number, got {raw!r}")
+        try:
+            return int(str(raw).replace("_", "").strip())
+        except ValueError:
+            raise ValueError(f"expected a whole number, got {raw!r}") from None
+    if hint is float:
+        if isinstance(raw, bool):
+            raise ValueError(f"expected a number, got {raw!r}")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if hint is str:
+        if not isinstance(raw, str):
+            raise ValueError(f"expected a string, got {raw!r}")
+        return raw
+    raise TypeError(f"unsupported setting type {hint!r}")  # pragma: no cover - a programming error
+
+
+def _check(cfg: Config) -> None:
+    c = cfg.collector
+    positive = {"collector.queue_capacity": c.queue_capacity, "collector.batch_max_items": c.batch_max_items,
+                "collector.max_request_bytes": c.max_request_bytes, "collector.window_seconds": c.window_seconds,
+                "collector.max_streams": c.max_streams,
+                "storage.span_retention_hours": cfg.storage.span_retention_hours,
+                "storage.metric_retention_hours": cfg.storage.metric_retention_hours}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be greater than 0, got {value}")
+    for key, value in {"collector.allowed_lateness_seconds": c.allowed_lateness_seconds,
+                       "collector.idle_flush_seconds": c.idle_flush_seconds,
+                       "collector.retry_after_seconds": c.retry_after_seconds}.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative, got {value}")
+    if not c.api.is_loopback and not c.api_token:
+        raise ConfigError(f"collector.api: listening on {c.api} beyond loopback needs collector.api_token "
+                          "(set SPIKEHOUND_COLLECTOR_API_TOKEN)")
+    url = cfg.database_url
+    if not url.startswith(("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")):
+        raise ConfigError(f"storage.url: expected a sqlite:// or postgresql:// URL, got {redact_url(url)!r}")
+
+
+SECRET_SUFFIXES = ("token", "secret", "password")
+
+
+def redact_url(url: str) -> str:
+    """Hide the password in a database URL: ``postgresql://u:***@h/db``."""
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def effective(cfg: Config) -> dict[str, Any]:
+    """The configuration as plain data with secrets hidden, for ``check-config`` and logs."""
+
+    def render(obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, HostPort):
+                out[f.name] = render(value)
+            elif f.name.endswith(SECRET_SUFFIXES):
+                out[f.name] = "***" if value else ""
+            elif isinstance(value, HostPort):
+                out[f.name] = str(value)
+            elif f.name == "url" and isinstance(value, str):
+                out[f.name] = redact_url(value)
+            else:
+                out[f.name] = value
+        return out
+
+    return render(cfg)
+
+
+def to_toml(doc: dict[str, Any]) -> str:
+    """Render ``effective()`` as TOML (top-level keys first, then one table per section)."""
+
+    def literal(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = [f"{k} = {literal(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    for section, values in doc.items():
+        if isinstance(values, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {literal(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,367 @@
+"""OTLP conversion: protobuf/JSON requests in, model records out (and back).
+
+Decoding validates each span or point on its own: one bad record is rejected
+with a reason and the rest of the request is kept, so the receivers can answer
+with ``partial_success`` instead of losing a whole batch.
+
+>>> from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+>>> req = ExportTraceServiceRequest()
+>>> rs = req.resource_spans.add()
+>>> kv = rs.resource.attributes.add(key="service.name"); kv.value.string_value = "gateway"
+>>> sp = rs.scope_spans.add().spans.add(trace_id=b"\\x01" * 16, span_id=b"\\x02" * 8, name="GET /",
+...                                     start_time_unix_nano=1, end_time_unix_nano=2)
+>>> sp.span_id = b"\\x02" * 4
+>>> decoded = decode_spans(req)
+>>> len(decoded.spans), decoded.rejected, decoded.errors[0]
+(0, 1, 'span 0 (GET /): span_id must be 8 bytes, got 4')
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
+
+UNKNOWN_SERVICE = "unknown_service"
+MAX_ERRORS_KEPT = 5  # a partial_success message names the first few problems, not thousands
+
+_ZERO_TRACE = bytes(16)
+_ZERO_SPAN = bytes(8)
+_KINDS = {0: SpanKind.INTERNAL, 1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT,
+          4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
+_STATUSES = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+_NO_RECORDED_VALUE = 1  # DataPointFlags.FLAG_NO_RECORDED_VALUE_MASK
+
+
+class PayloadError(ValueError):
+    """The request as a whole cannot be read (garbage bytes, broken JSON)."""
+
+
+@dataclass(slots=True)
+class Decoded:
+    """Result of decoding one export request."""
+
+    spans: list[Span] = field(default_factory=list)
+    points: list[MetricPoint] = field(default_factory=list)
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def reject(self, message: str) -> None:
+        self.rejected += 1
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            self.errors.append(message)
+
+    @property
+    def accepted(self) -> int:
+        return len(self.spans) + len(self.points)
+
+    @property
+    def error_message(self) -> str:
+        more = self.rejected - len(self.errors)
+        return "; ".join(self.errors) + (f"; and {more} more" if more > 0 else "")
+
+
+# --- attribute values -------------------------------------------------------------------------
+
+
+def any_value(v: AnyValue) -> Any:
+    """Convert an OTLP AnyValue to plain Python (bytes become lowercase hex)."""
+    which = v.WhichOneof("value")
+    if which == "string_value":
+        return v.string_value
+    if which == "int_value":
+        return v.int_value
+    if which == "double_value":
+        return v.double_value
+    if which == "bool_value":
+        return v.bool_value
+    if which == "array_value":
+        return [any_value(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return attributes(v.kvlist_value.values)
+    if which == "bytes_value":
+        return v.bytes_value.hex()
+    return None
+
+
+def attributes(kvs: Iterable[KeyValue]) -> dict[str, Any]:
+    return {kv.key: any_value(kv.value) for kv in kvs}
+
+
+def set_any_value(target: AnyValue, value: Any) -> None:
+    """Fill an OTLP AnyValue from plain Python (the inverse of ``any_value``)."""
+    if isinstance(value, bool):
+        target.bool_value = value
+    elif isinstance(value, int):
+        target.int_value = value
+    elif isinstance(value, float):
+        target.double_value = value
+    elif isinstance(value, str):
+        target.string_value = value
+    elif isinstance(value, bytes):
+        target.bytes_value = value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            set_any_value(target.array_value.values.add(), item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            set_any_value(target.kvlist_value.values.add(key=key).value, item)
+    elif value is not None:
+        target.string_value = str(value)
+
+
+def _set_attributes(target: Any, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        set_any_value(target.add(key=key).value, value)
+
+
+# --- traces -----------------------------------------------------------------------------------
+
+
+def parse_trace_request(body: bytes, *, json: bool = False) -> ExportTraceServiceRequest:
+    """Parse an OTLP/HTTP traces body; raise PayloadError with a reason when unreadable."""
+    req = ExportTraceServiceRequest()
+    _parse(req, body, json, _TRACE_ID_PATHS)
+    return req
+
+
+def decode_spans(req: ExportTraceServiceRequest, host_override: str | None = None) -> Decoded:
+    """Validate and convert every span of a request."""
+    out = Decoded()
+    spans = out.spans
+    index = 0
+    for rs in req.resource_spans:
+        resource = attributes(rs.resource.attributes)
+        service = resource.pop("service.name", None) or UNKNOWN_SERVICE
+        host = host_override or resource.pop("host.name", None)
+        resource.pop("host.name", None)
+        if not isinstance(service, str):
+            service = str(service)
+        for ss in rs.scope_spans:
+            for sp in ss.spans:
+                problem = _span_problem(sp)
+                if problem:
+                    out.reject(f"span {index} ({sp.name[:80]}): {problem}")
+                else:
+                    parent = sp.parent_span_id
+                    spans.append(Span(
+                        trace_id=sp.trace_id,
+                        span_id=sp.span_id,
+                        parent_span_id=parent if parent else None,
+                        service=service,
+                        host=host,
+                        name=sp.name,
+                        kind=_KINDS.get(sp.kind, SpanKind.INTERNAL),
+                        start_unix_nano=sp.start_time_unix_nano,
+                        end_unix_nano=sp.end_time_unix_nano,
+                        status=_STATUSES.get(sp.status.code, StatusCode.UNSET),
+                        resource=resource,
+                        raw=sp.SerializeToString(),  # attributes and events are decoded only when read
+                    ))
+                index += 1
+    return out
+
+
+def _span_problem(sp: trace_pb2.Span) -> str | None:
+    if len(sp.trace_id) != 16:
+        return f"trace_id must be 16 bytes, got {len(sp.trace_id)}"
+    if sp.trace_id == _ZERO_TRACE:
+        return "trace_id is all zeroes"
+    if len(sp.span_id) != 8:
+        return f"span_id must be 8 bytes, got {len(sp.span_id)}"
+    if sp.span_id == _ZERO_SPAN:
+        return "span_id is all zeroes"
+    if sp.parent_span_id and len(sp.parent_span_id) != 8:
+        return f"parent_span_id must be empty or 8 bytes, got {len(sp.parent_span_id)}"
+    if not sp.start_time_unix_nano or not sp.end_time_unix_nano:
+        return "start and end time are required"
+    if sp.end_time_unix_nano < sp.start_time_unix_nano:
+        return (f"end time {sp.end_time_unix_nano} is before start time {sp.start_time_unix_nano}")
+    return None
+
+
+def _event(e: trace_pb2.Span.Event) -> dict[str, Any]:
+    return {"name": e.name, "time_unix_nano": e.time_unix_nano, "attributes": attributes(e.attributes)}
+
+
+def decode_span_details(raw: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Attributes and events of a span from its OTLP encoding (``Span.raw``)."""
+    sp = trace_pb2.Span.FromString(raw)
+    return attributes(sp.attributes), [_event(e) for e in sp.events]
+
+
+def encode_span(s: Span) -> trace_pb2.Span:
+    """The OTLP message of one span (ids, timing, status, attributes, events)."""
+    if s.raw:
+        out = trace_pb2.Span.FromString(s.raw)
+    else:
+        out = trace_pb2.Span(trace_id=s.trace_id, span_id=s.span_id, name=s.name, kind=int(s.kind),
+                             start_time_unix_nano=s.start_unix_nano, end_time_unix_nano=s.end_unix_nano)
+        out.status.code = int(s.status)
+        _set_attributes(out.attributes, s.attributes)
+        for e in s.events:
+            ev = out.events.add(name=e["name"], time_unix_nano=e["time_unix_nano"])
+            _set_attributes(ev.attributes, e.get("attributes") or {})
+    out.parent_span_id = s.parent_span_id or b""
+    return out
+
+
+def encode_spans(spans: Iterable[Span]) -> ExportTraceServiceRequest:
+    """Build an OTLP request from spans, one ResourceSpans per (service, host, resource)."""
+    req = ExportTraceServiceRequest()
+    groups: dict[tuple[str, str | None, bytes], Any] = {}
+    for s in spans:
+        key = (s.service, s.host, orjson.dumps(s.resource, option=orjson.OPT_SORT_KEYS))
+        scope = groups.get(key)
+        if scope is None:
+            rs = req.resource_spans.add()
+            _set_attributes(rs.resource.attributes, {"service.name": s.service, **s.resource})
+            if s.host is not None:
+                set_any_value(rs.resource.attributes.add(key="host.name").value, s.host)
+            scope = groups[key] = rs.scope_spans.add()
+        scope.spans.append(encode_span(s))
+    return req
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+def parse_metrics_request(body: bytes, *, json: bool = False) -> ExportMetricsServiceRequest:
+    """Parse an OTLP/HTTP metrics body; raise PayloadError with a reason when unreadable."""
+    req = ExportMetricsServiceRequest()
+    _parse(req, body, json, _METRIC_ID_PATHS)
+    return req
+
+
+def decode_metrics(req: ExportMetricsServiceRequest, host_override: str | None = None) -> Decoded:
+    """Convert gauge and sum points into resource samples keyed by ``host.name``.
+
+    Histograms and summaries are not resource samples: they are rejected with a
+    reason (reported back through ``partial_success``), never silently dropped.
+    """
+    out = Decoded()
+    for rm in req.resource_metrics:
+        resource = attributes(rm.resource.attributes)
+        host = host_override or resource.get("host.name")
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                which = metric.WhichOneof("data")
+                if which == "gauge":
+                    kind, data_points = MetricKind.GAUGE, metric.gauge.data_points
+                elif which == "sum":
+                    temporality = metric.sum.aggregation_temporality
+                    if temporality not in (1, 2):
+                        for _ in metric.sum.data_points:
+                            out.reject(f"metric {metric.name}: sum without aggregation temporality")
+                        continue
+                    kind = MetricKind.SUM_CUMULATIVE if temporality == 2 else MetricKind.SUM_DELTA
+                    data_points = metric.sum.data_points
+                else:
+                    count = len(getattr(metric, which).data_points) if which else 0
+                    for _ in range(max(count, 1)):
+                        out.reject(f"metric {metric.name}: type {which or 'empty'} is not a resource sample")
+                    continue
+                if not host or not isinstance(host, str):
+                    for _ in data_points:
+                        out.reject(f"metric {metric.name}: resource has no host.name attribute")
+                    continue
+                for dp in data_points:
+                    if dp.flags & _NO_RECORDED_VALUE:
+                        continue
+                    number = dp.WhichOneof("value")
+                    if number is None:
+                        out.reject(f"metric {metric.name}: data point without a value")
+                        continue
+                    if not dp.time_unix_nano:
+                        out.reject(f"metric {metric.name}: data point without time_unix_nano")
+                        continue
+                    out.points.append(MetricPoint(
+                        host=host,
+                        name=metric.name,
+                        attributes=attributes(dp.attributes),
+                        time_unix_nano=dp.time_unix_nano,
+                        value=float(dp.as_double if number == "as_double" else dp.as_int),
+                        kind=kind,
+                        unit=metric.unit,
+                        start_unix_nano=dp.start_time_unix_nano,
+                    ))
+    return out
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+# Where OTLP/JSON carries ids: hex strings there, base64 in protobuf's JSON mapping.
+_TRACE_ID_PATHS = (
+    ("resourceSpans", "scopeSpans", "spans", ("traceId", "spanId", "parentSpanId")),
+    ("resourceSpans", "scopeSpans", "spans", "links", ("traceId", "spanId")),
+)
+_METRIC_ID_PATHS = tuple(
+    ("resourceMetrics", "scopeMetrics", "metrics", kind, "dataPoints", "exemplars", ("traceId", "spanId"))
+    for kind in ("gauge", "sum", "histogram", "exponentialHistogram")
+)
+
+
+def _parse(req: Any, body: bytes, json: bool, id_paths: tuple[tuple[Any, ...], ...]) -> None:
+    if json:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise PayloadError(f"invalid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise PayloadError("invalid OTLP/JSON: the body must be a JSON object")
+        for path in id_paths:
+            for holder in _walk(doc, path[:-1]):
+                for key in path[-1]:
+                    _hex_to_base64(holder, key)
+        try:
+            json_format.ParseDict(doc, req, ignore_unknown_fields=True)
+        except (json_format.ParseError, TypeError, ValueError) as exc:
+            raise PayloadError(f"invalid OTLP/JSON: {exc}") from None
+    else:
+        try:
+            req.ParseFromString(body)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            raise PayloadError(f"invalid OTLP protobuf: {exc or 'cannot be decoded'}") from None
+
+
+def _snake(key: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in key)
+
+
+def _walk(node: Any, path: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    if not path:
+        if isinstance(node, dict):
+            yield node
+        return
+    if not isinstance(node, dict):
+        return
+    child = node.get(path[0], node.get(_snake(path[0])))
+    for item in child if isinstance(child, list) else [child] if isinstance(child, dict) else []:
+        yield from _walk(item, path[1:])
+
+
+def _hex_to_base64(holder: dict[str, Any], key: str) -> None:
+    for k in (key, _snake(key)):
+        value = holder.get(k)
+        if isinstance(value, str) and value:
+            try:
+                holder[k] = base64.b64encode(bytes.fromhex(value)).decode()
+            except ValueError:
+                raise PayloadError(f"invalid OTLP/JSON: {k} {value[:40]!r} is not hex") from None
+
+
+def hex_id(raw: bytes | None) -> str | None:
+    """Lowercase hex for an id, None for an absent one."""
+    return binascii.hexlify(raw).decode() if raw else None

@@ -1,0 +1,46 @@
+"""Time in and out of the API: RFC 3339 UTC strings or unix seconds in, RFC 3339 out.
+
+>>> rfc3339(1_700_000_000_123_456_789)
+'2023-11-14T22:13:20.123456789Z'
+>>> parse_time("2023-11-14T22:13:20.5Z"), parse_time("1700000000.5")
+(1700000000500000000, 1700000000500000000)
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+NS = 1_000_000_000
+
+
+def rfc3339(unix_nano: int | None) -> str | None:
+    """Nanoseconds since the epoch as an RFC 3339 UTC string, keeping every digit."""
+    if unix_nano is None:
+        return None
+    seconds, frac = divmod(unix_nano, NS)
+    stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{stamp}.{frac:09d}Z" if frac else f"{stamp}Z"
+
+
+_UNIX = re.compile(r"^(\d{1,11})(?:\.(\d{1,9})\d*)?$")
+_FRACTION = re.compile(r"\.(\d+)")
+
+
+def parse_time(text: str) -> int:
+    """Unix seconds (int or decimal) or an RFC 3339 timestamp, as nanoseconds since the epoch."""
+    value = text.strip()
+    unix = _UNIX.match(value)
+    if unix:
+        return int(unix[1]) * NS + int((unix[2] or "").ljust(9, "0"))
+    # datetime keeps microseconds only: take the fraction out and add it back at full precision.
+    fraction = _FRACTION.search(value)
+    nanos = int(fraction[1][:9].ljust(9, "0")) if fraction else 0
+    bare = _FRACTION.sub("", value, count=1).replace("z", "Z").replace("Z", "+00:00")
+    try:
+        moment = datetime.fromisoformat(bare)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither RFC 3339 nor unix seconds") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone (use Z for UTC)")
+    return int(moment.timestamp()) * NS + nanos

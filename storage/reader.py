@@ -1,0 +1,178 @@
+"""Read queries behind the REST API; each one is served by an index of ``storage.schema``.
+
+Functions return model records or small plain tuples; the API turns them into
+JSON. They are synchronous (the collector runs them in a thread pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import Engine, and_, func, select
+
+from spikehound.model import Cause, CauseKind, LatencyWindow, Span, SpanKind, Spike, StatusCode
+from storage import schema
+
+MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
+
+
+@dataclass(slots=True, frozen=True)
+class HostSummary:
+    host: str
+    last_seen_unix_nano: int
+    metrics: tuple[str, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class MetricSeries:
+    host: str
+    name: str
+    attributes: dict[str, Any]
+    unit: str
+    points: tuple[tuple[int, float], ...]  # (time ns, value), oldest first
+
+
+class Reader:
+    """Queries over one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    def trace(self, trace_id: bytes) -> list[Span]:
+        s, r = schema.spans, schema.resources
+        query = (select(s, r.c.attributes.label("resource_attributes"))
+                 .join(r, r.c.id == s.c.resource_id, isouter=True)
+                 .where(s.c.trace_id == trace_id).order_by(s.c.start_ns).limit(MAX_TRACE_SPANS))
+        resources: dict[int, dict[str, Any]] = {}
+        spans = []
+        with self.engine.connect() as conn:
+            for row in conn.execute(query):
+                resource = resources.get(row.resource_id)
+                if resource is None:
+                    resource = resources[row.resource_id] = orjson.loads(row.resource_attributes or "{}")
+                spans.append(Span(
+                    trace_id=bytes(row.trace_id), span_id=bytes(row.span_id),
+                    parent_span_id=bytes(row.parent_span_id) if row.parent_span_id else None,
+                    service=row.service, host=row.host, name=row.name, kind=SpanKind(row.kind),
+                    start_unix_nano=row.start_ns, end_unix_nano=row.start_ns + row.duration_ns,
+                    status=StatusCode(row.status), resource=resource, raw=bytes(row.otlp)))
+        return spans
+
+    def services(self) -> list[tuple[str, list[str]]]:
+        o = schema.operations
+        out: dict[str, list[str]] = {}
+        with self.engine.connect() as conn:
+            for service, name in conn.execute(select(o.c.service, o.c.name).order_by(o.c.service, o.c.name)):
+                out.setdefault(service, []).append(name)
+        return list(out.items())
+
+    def latency(self, service: str, operation: str | None, since_ns: int, until_ns: int,
+                limit: int = 10_000) -> list[LatencyWindow]:
+        w = schema.latency_windows
+        conditions = [w.c.service == service, w.c.start_ns >= since_ns, w.c.start_ns < until_ns]
+        if operation is not None:
+            conditions.append(w.c.operation == operation)
+        query = select(w).where(and_(*conditions)).order_by(w.c.start_ns, w.c.operation).limit(limit)
+        with self.engine.connect() as conn:
+            return [LatencyWindow(service=r.service, operation=r.operation, start_unix_nano=r.start_ns,
+                                  end_unix_nano=r.end_ns, count=r.count, p50_ns=r.p50_ns, p95_ns=r.p95_ns,
+                                  p99_ns=r.p99_ns, max_ns=r.max_ns)
+                    for r in conn.execute(query)]
+
+    def hosts(self) -> list[HostSummary]:
+        h, m = schema.hosts, schema.metric_series
+        with self.engine.connect() as conn:
+            names: dict[str, list[str]] = {}
+            for host, name in conn.execute(select(m.c.host, m.c.name).distinct().order_by(m.c.host, m.c.name)):
+                names.setdefault(host, []).append(name)
+            return [HostSummary(r.host, r.last_seen_at, tuple(names.get(r.host, ())))
+                    for r in conn.execute(select(h).order_by(h.c.host))]
+
+    def metrics(self, host: str | None, name: str | None, since_ns: int, until_ns: int,
+                max_points: int = 20_000) -> tuple[list[MetricSeries], bool]:
+        """Series matching host and/or name with their points in the range; True when cut at max_points."""
+        m, p = schema.metric_series, schema.metric_points
+        series_query = select(m).order_by(m.c.host, m.c.name, m.c.attributes)
+        if host is not None:
+            series_query = series_query.where(m.c.host == host)
+        if name is not None:
+            series_query = series_query.where(m.c.name == name)
+        out: list[MetricSeries] = []
+        budget = max_points
+        with self.engine.connect() as conn:
+            for row in conn.execute(series_query).all():
+                if budget <= 0:
+                    return out, True
+                points = conn.execute(
+                    select(p.c.t_ns, p.c.value)
+                    .where(p.c.series_id == row.id, p.c.t_ns >= since_ns, p.c.t_ns < until_ns)
+                    .order_by(p.c.t_ns).limit(budget + 1)).all()
+                truncated = len(points) > budget
+                points = points[:budget]
+                budget -= len(points)
+                if points:
+                    out.append(MetricSeries(row.host, row.name, orjson.loads(row.attributes), row.unit,
+                                            tuple((t, v) for t, v in points)))
+                if truncated:
+                    return out, True
+        return out, False
+
+    def spikes(self, service: str | None = None, since_ns: int | None = None, until_ns: int | None = None,
+               state: str | None = None, limit: int = 500) -> list[Spike]:
+        k = schema.spikes
+        query = select(k).order_by(k.c.start_ns.desc(), k.c.id.desc()).limit(limit)
+        if service is not None:
+            query = query.where(k.c.service == service)
+        if since_ns is not None:
+            query = query.where(k.c.start_ns >= since_ns)
+        if until_ns is not None:
+            query = query.where(k.c.start_ns < until_ns)
+        if state is not None:
+            query = query.where(k.c.state == state)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+            return self._with_causes(conn, rows)
+
+    def spike(self, spike_id: str) -> Spike | None:
+        k = schema.spikes
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(k).where(k.c.id == spike_id)).all()
+            found = self._with_causes(conn, rows)
+        return found[0] if found else None
+
+    def exemplar_trace_ids(self) -> set[bytes]:
+        """Every trace a stored spike points to (retention keeps these)."""
+        with self.engine.connect() as conn:
+            return {bytes.fromhex(t) for (ids,) in conn.execute(select(schema.spikes.c.exemplar_trace_ids))
+                    for t in orjson.loads(ids)}
+
+    @staticmethod
+    def _with_causes(conn: Any, rows: Sequence[Any]) -> list[Spike]:
+        if not rows:
+            return []
+        c = schema.causes
+        causes: dict[str, list[Cause]] = {}
+        query = select(c).where(c.c.spike_id.in_([r.id for r in rows])).order_by(c.c.spike_id, c.c.rank)
+        for r in conn.execute(query):
+            causes.setdefault(r.spike_id, []).append(Cause(
+                kind=CauseKind(r.kind), score=r.score, summary=r.summary, service=r.service,
+                operation=r.operation, peer_service=r.peer_service, host=r.host, resource=r.resource,
+                baseline=r.baseline, observed=r.observed, unit=r.unit))
+        return [Spike(id=r.id, service=r.service, operation=r.operation, state=r.state,
+                      start_unix_nano=r.start_ns, end_unix_nano=r.end_ns, p99_ns=r.p99_ns,
+                      baseline_p99_ns=r.baseline_p99_ns, causes=tuple(causes.get(r.id, ())),
+                      exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)))
+                for r in rows]
+
+
+def count_rows(engine: Engine, table: str) -> int:
+    """Row count of one table (operations and tests)."""
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(schema.metadata.tables[table])).scalar_one()

@@ -1,0 +1,140 @@
+"""The database schema (SQLAlchemy Core tables), shared by SQLite and PostgreSQL.
+
+Migrations in ``storage/migrations`` create exactly these tables; a test
+compares the two so that they cannot drift apart. Times are integers in
+nanoseconds since the epoch (event time) unless the column says ``_at``
+(arrival, wall clock). Ids are raw bytes; the API shows them as hex.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+spans = Table(
+    "spans", metadata,
+    Column("trace_id", LargeBinary(16), nullable=False),
+    Column("span_id", LargeBinary(8), nullable=False),
+    Column("parent_span_id", LargeBinary(8)),
+    Column("service", String(255), nullable=False),
+    Column("host", String(255)),
+    Column("name", String(1024), nullable=False),
+    Column("kind", SmallInteger, nullable=False),
+    Column("start_ns", BigInteger, nullable=False),
+    Column("duration_ns", BigInteger, nullable=False),
+    Column("status", SmallInteger, nullable=False),
+    Column("resource_id", BigInteger, nullable=False),  # -> resources.id
+    # The span's OTLP protobuf as received: attributes, events and links, decoded when read.
+    # Decoding every attribute into JSON on ingest would halve the ingest rate.
+    Column("otlp", LargeBinary, nullable=False),
+    Column("ingested_at", BigInteger, nullable=False),  # unix seconds; retention goes by arrival
+    # A retried export must not store a span twice: (trace_id, span_id) is the identity.
+    UniqueConstraint("trace_id", "span_id", name="uq_spans_trace_span"),
+    Index("ix_spans_ingested_at", "ingested_at"),
+)
+
+# Resource attributes are shared by every span of a process: stored once, by content hash.
+resources = Table(
+    "resources", metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=False),
+    Column("service", String(255), nullable=False),
+    Column("attributes", Text, nullable=False),
+)
+
+operations = Table(
+    "operations", metadata,
+    Column("service", String(255), nullable=False),
+    Column("name", String(1024), nullable=False),
+    Column("first_seen_at", BigInteger, nullable=False),
+    PrimaryKeyConstraint("service", "name", name="pk_operations"),
+)
+
+hosts = Table(
+    "hosts", metadata,
+    Column("host", String(255), primary_key=True),
+    Column("last_seen_at", BigInteger, nullable=False),  # unix ns, arrival
+)
+
+metric_series = Table(
+    "metric_series", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("host", String(255), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("attributes", Text, nullable=False),  # canonical JSON (sorted keys)
+    Column("kind", SmallInteger, nullable=False),
+    Column("unit", String(64), nullable=False),
+    UniqueConstraint("host", "name", "attributes", name="uq_metric_series_key"),
+    Index("ix_metric_series_name", "name"),
+)
+
+metric_points = Table(
+    "metric_points", metadata,
+    Column("series_id", Integer, nullable=False),
+    Column("t_ns", BigInteger, nullable=False),
+    Column("value", Float, nullable=False),
+    Column("ingested_at", BigInteger, nullable=False),
+    UniqueConstraint("series_id", "t_ns", name="uq_metric_points_series_t"),
+    Index("ix_metric_points_ingested_at", "ingested_at"),
+)
+
+latency_windows = Table(
+    "latency_windows", metadata,
+    Column("service", String(255), nullable=False),
+    Column("operation", String(1024), nullable=False),
+    Column("start_ns", BigInteger, nullable=False),
+    Column("end_ns", BigInteger, nullable=False),
+    Column("count", Integer, nullable=False),
+    Column("p50_ns", BigInteger, nullable=False),
+    Column("p95_ns", BigInteger, nullable=False),
+    Column("p99_ns", BigInteger, nullable=False),
+    Column("max_ns", BigInteger, nullable=False),
+    PrimaryKeyConstraint("service", "operation", "start_ns", name="pk_latency_windows"),
+)
+
+spikes = Table(
+    "spikes", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("service", String(255), nullable=False),
+    Column("operation", String(1024), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("start_ns", BigInteger, nullable=False),
+    Column("end_ns", BigInteger),
+    Column("p99_ns", BigInteger, nullable=False),
+    Column("baseline_p99_ns", BigInteger, nullable=False),
+    Column("exemplar_trace_ids", Text, nullable=False),  # JSON list of hex ids
+    Index("ix_spikes_start", "start_ns"),
+    Index("ix_spikes_service_start", "service", "start_ns"),
+)
+
+causes = Table(
+    "causes", metadata,
+    Column("spike_id", String(32), nullable=False),
+    Column("rank", SmallInteger, nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("service", String(255)),
+    Column("operation", String(1024)),
+    Column("peer_service", String(255)),
+    Column("host", String(255)),
+    Column("resource", String(255)),
+    Column("score", Float, nullable=False),
+    Column("baseline", Float),
+    Column("observed", Float),
+    Column("unit", String(32)),
+    Column("summary", Text, nullable=False),
+    PrimaryKeyConstraint("spike_id", "rank", name="pk_causes"),
+)

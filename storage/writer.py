@@ -1,0 +1,180 @@
+"""The single batched writer: one transaction per batch, acknowledged after commit.
+
+Writes are idempotent: a span is identified by (trace_id, span_id) and a
+sample by (series, time), so a sender that retries after a lost answer does
+not create duplicates. Small lookup tables (resources, operations, hosts,
+series) are cached so that the hot path only inserts what is new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from sqlalchemy import Engine, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from spikehound.model import LatencyWindow, MetricPoint, Span, Spike
+from spikehound.otlp import encode_span
+from storage import schema
+
+HOST_TOUCH_INTERVAL_NS = 1_000_000_000  # hosts.last_seen_at is refreshed at most once a second
+
+
+@dataclass(slots=True)
+class WriteBatch:
+    """Everything one transaction commits."""
+
+    spans: Sequence[Span] = ()
+    points: Sequence[MetricPoint] = ()
+    windows: Sequence[LatencyWindow] = ()
+    spikes: Sequence[Spike] = ()
+
+    def __len__(self) -> int:
+        return len(self.spans) + len(self.points)
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
+
+
+def resource_id(service: str, attributes: dict[str, Any]) -> int:
+    """A stable signed 64-bit id for a resource, from its content."""
+    digest = hashlib.blake2b(_json([service, attributes]).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+@dataclass(slots=True)
+class _Caches:
+    resources: set[int] = field(default_factory=set)
+    operations: set[tuple[str, str]] = field(default_factory=set)
+    series: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    host_touched: dict[str, int] = field(default_factory=dict)
+
+
+class Writer:
+    """Commits batches to the database; not thread-safe: use it from one thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        dialect = engine.dialect.name
+        self._insert = sqlite.insert if dialect == "sqlite" else postgresql.insert
+        self._cache = _Caches()
+        # The span insert is the hot path: plain DB-API executemany on tuples, no per-row Core processing.
+        mark = "?" if dialect == "sqlite" else "%s"
+        columns = [c.name for c in schema.spans.columns]
+        self._span_sql = (f"INSERT INTO spans ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))}) "
+                          "ON CONFLICT DO NOTHING")
+        self._resources = self._insert(schema.resources).on_conflict_do_nothing()
+        self._operations = self._insert(schema.operations).on_conflict_do_nothing()
+        self._points = self._insert(schema.metric_points).on_conflict_do_nothing()
+        self._series = self._insert(schema.metric_series).on_conflict_do_nothing()
+        hosts = self._insert(schema.hosts)
+        self._hosts = hosts.on_conflict_do_update(index_elements=["host"],
+                                                  set_={"last_seen_at": hosts.excluded.last_seen_at})
+        windows = self._insert(schema.latency_windows)
+        self._windows = windows.on_conflict_do_update(
+            index_elements=["service", "operation", "start_ns"],
+            set_={c: windows.excluded[c] for c in ("end_ns", "count", "p50_ns", "p95_ns", "p99_ns", "max_ns")})
+        spikes = self._insert(schema.spikes)
+        self._spikes = spikes.on_conflict_do_update(
+            index_elements=["id"],
+            set_={c: spikes.excluded[c] for c in ("state", "end_ns", "p99_ns", "baseline_p99_ns",
+                                                  "exemplar_trace_ids")})
+
+    def write(self, batch: WriteBatch, now_ns: int | None = None) -> None:
+        """Commit the batch in one transaction, or raise and commit nothing."""
+        now_ns = now_ns or time.time_ns()
+        now_s = now_ns // 1_000_000_000
+        pending = _Caches()
+        with self.engine.begin() as conn:
+            if batch.spans:
+                self._write_spans(conn, batch.spans, now_s, pending)
+            if batch.points:
+                self._write_points(conn, batch.points, now_s, pending)
+            hosts = {s.host for s in batch.spans if s.host} | {p.host for p in batch.points}
+            touch = [{"host": h, "last_seen_at": now_ns} for h in sorted(hosts)
+                     if now_ns - self._cache.host_touched.get(h, 0) >= HOST_TOUCH_INTERVAL_NS]
+            if touch:
+                conn.execute(self._hosts, touch)
+                pending.host_touched.update((t["host"], now_ns) for t in touch)
+            if batch.windows:
+                conn.execute(self._windows, [_window_row(w) for w in batch.windows])
+            if batch.spikes:
+                self._write_spikes(conn, batch.spikes)
+        # Only committed rows may enter the caches, or a rolled-back insert would be skipped forever.
+        self._cache.resources |= pending.resources
+        self._cache.operations |= pending.operations
+        self._cache.series.update(pending.series)
+        self._cache.host_touched.update(pending.host_touched)
+
+    def _write_spans(self, conn: Any, spans: Sequence[Span], now_s: int, pending: _Caches) -> None:
+        cache = self._cache
+        by_resource: dict[int, int] = {}  # id(resource dict) -> resource id; spans share the dict
+        new_resources: list[dict[str, Any]] = []
+        new_operations: list[dict[str, Any]] = []
+        rows: list[tuple[Any, ...]] = []
+        for s in spans:
+            rid = by_resource.get(id(s.resource))
+            if rid is None:
+                rid = by_resource[id(s.resource)] = resource_id(s.service, s.resource)
+                if rid not in cache.resources and rid not in pending.resources:
+                    pending.resources.add(rid)
+                    new_resources.append({"id": rid, "service": s.service, "attributes": _json(s.resource)})
+            op = (s.service, s.name)
+            if op not in cache.operations and op not in pending.operations:
+                pending.operations.add(op)
+                new_operations.append({"service": s.service, "name": s.name, "first_seen_at": now_s})
+            rows.append((s.trace_id, s.span_id, s.parent_span_id, s.service, s.host, s.name, int(s.kind),
+                         s.start_unix_nano, s.end_unix_nano - s.start_unix_nano, int(s.status), rid,
+                         s.raw or encode_span(s).SerializeToString(), now_s))
+        if new_resources:
+            conn.execute(self._resources, new_resources)
+        if new_operations:
+            conn.execute(self._operations, new_operations)
+        conn.exec_driver_sql(self._span_sql, rows)
+
+    def _write_points(self, conn: Any, points: Sequence[MetricPoint], now_s: int, pending: _Caches) -> None:
+        rows = []
+        for p in points:
+            attrs = _json(p.attributes)
+            key = (p.host, p.name, attrs)
+            sid = self._cache.series.get(key) or pending.series.get(key)
+            if sid is None:
+                sid = pending.series[key] = self._series_id(conn, p, attrs)
+            rows.append({"series_id": sid, "t_ns": p.time_unix_nano, "value": p.value, "ingested_at": now_s})
+        conn.execute(self._points, rows)
+
+    def _series_id(self, conn: Any, p: MetricPoint, attrs: str) -> int:
+        t = schema.metric_series
+        conn.execute(self._series, {"host": p.host, "name": p.name, "attributes": attrs,
+                                    "kind": int(p.kind), "unit": p.unit})
+        return conn.execute(select(t.c.id).where(t.c.host == p.host, t.c.name == p.name,
+                                                 t.c.attributes == attrs)).scalar_one()
+
+    def _write_spikes(self, conn: Any, spikes: Sequence[Spike]) -> None:
+        conn.execute(self._spikes, [{
+            "id": s.id, "service": s.service, "operation": s.operation, "state": s.state,
+            "start_ns": s.start_unix_nano, "end_ns": s.end_unix_nano, "p99_ns": s.p99_ns,
+            "baseline_p99_ns": s.baseline_p99_ns,
+            "exemplar_trace_ids": _json([t.hex() for t in s.exemplar_trace_ids]),
+        } for s in spikes])
+        # Causes are re-ranked while a spike lasts: replace them as a whole.
+        conn.execute(schema.causes.delete().where(schema.causes.c.spike_id.in_([s.id for s in spikes])))
+        cause_rows = [{
+            "spike_id": s.id, "rank": rank, "kind": str(c.kind), "service": c.service, "operation": c.operation,
+            "peer_service": c.peer_service, "host": c.host, "resource": c.resource, "score": c.score,
+            "baseline": c.baseline, "observed": c.observed, "unit": c.unit, "summary": c.summary,
+        } for s in spikes for rank, c in enumerate(s.causes)]
+        if cause_rows:
+            conn.execute(schema.causes.insert(), cause_rows)
+
+
+def _window_row(w: LatencyWindow) -> dict[str, Any]:
+    return {"service": w.service, "operation": w.operation, "start_ns": w.start_unix_nano,
+            "end_ns": w.end_unix_nano, "count": w.count, "p50_ns": w.p50_ns, "p95_ns": w.p95_ns,
+            "p99_ns": w.p99_ns, "max_ns": w.max_ns}

@@ -1,0 +1,241 @@
+"""Event-time latency windows: quantiles, stream selection, lateness, idleness, cardinality."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from detectors.windows import LatencyWindows, nearest_rank
+from spikehound.model import LatencyWindow, Span, SpanKind, StatusCode
+
+MS = 1_000_000
+S = 1_000_000_000
+
+_ids = iter(range(1, 10**9))
+
+
+def make_span(
+    end_ns: int,
+    duration_ns: int,
+    *,
+    service: str = "gateway",
+    name: str = "POST /predict",
+    kind: SpanKind = SpanKind.SERVER,
+    parent: bytes | None = None,
+) -> Span:
+    return Span(
+        trace_id=bytes(16),
+        span_id=next(_ids).to_bytes(8, "big"),
+        parent_span_id=parent,
+        service=service,
+        host="gpu-1",
+        name=name,
+        kind=kind,
+        start_unix_nano=end_ns - duration_ns,
+        end_unix_nano=end_ns,
+        status=StatusCode.UNSET,
+        attributes={},
+    )
+
+
+def as_tuples(windows: list[LatencyWindow]) -> list[tuple]:
+    return [
+        (w.service, w.operation, w.start_unix_nano, w.end_unix_nano, w.count, w.p50_ns, w.p95_ns, w.p99_ns,
+         w.max_ns)
+        for w in windows
+    ]
+
+
+def test_constructor_arguments_are_kept_as_attributes():
+    lw = LatencyWindows(window_ns=3 * S, allowed_lateness_ns=2 * S, max_streams=7)
+    assert (lw.window_ns, lw.allowed_lateness_ns, lw.max_streams) == (3 * S, 2 * S, 7)
+    assert (lw.open_windows, lw.streams, lw.late_spans, lw.overflow_spans) == (0, 0, 0, 0)
+
+
+def test_exact_nearest_rank_quantiles_on_1_to_100_ms():
+    lw = LatencyWindows()
+    base = 1_700_000_000 * S  # a multiple of 10 s
+    spans = [make_span(base + 1 * S + i * MS, (i + 1) * MS) for i in range(100)]
+    random.Random(7).shuffle(spans)
+    lw.add(spans)
+    (w,) = lw.flush()
+    assert w.count == 100
+    assert (w.p50_ns, w.p95_ns, w.p99_ns, w.max_ns) == (50 * MS, 95 * MS, 99 * MS, 100 * MS)
+    assert (w.start_unix_nano, w.end_unix_nano) == (base, base + 10 * S)
+    assert (w.service, w.operation) == ("gateway", "POST /predict")
+
+
+def test_nearest_rank_returns_observed_values():
+    assert nearest_rank([10, 20, 30, 40], 0.5) == 20
+    assert nearest_rank([10, 20, 30, 40], 0.99) == 40
+    assert nearest_rank([5], 0.99) == 5
+    assert nearest_rank([1, 2, 3], 0.0) == 1
+    # 0.57 * 100 is 56.99999999999999 in floats; the rank must still be 57.
+    assert nearest_rank(list(range(1, 101)), 0.57) == 57
+    with pytest.raises(ValueError):
+        nearest_rank([], 0.5)
+
+
+def test_only_entry_spans_count():
+    lw = LatencyWindows()
+    parent = b"\x00" * 7 + b"\x01"
+    lw.add([
+        make_span(1 * S, 10 * MS, kind=SpanKind.SERVER, parent=parent),  # remote entry: counts
+        make_span(1 * S, 20 * MS, kind=SpanKind.INTERNAL, parent=None, name="batch-job"),  # root: counts
+        make_span(1 * S, 30 * MS, kind=SpanKind.CLIENT, parent=parent),  # outgoing call: ignored
+        make_span(1 * S, 40 * MS, kind=SpanKind.INTERNAL, parent=parent),  # inner work: ignored
+    ])
+    out = lw.flush()
+    assert [(w.operation, w.count, w.max_ns) for w in out] == [
+        ("POST /predict", 1, 10 * MS),
+        ("batch-job", 1, 20 * MS),
+    ]
+    assert sum(w.count for w in out) == 2
+
+
+def test_windows_are_cut_by_end_time_and_aligned_to_the_epoch():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=15 * S)
+    lw.add([
+        make_span(12 * S, 5 * S),  # started at 7 s, ended at 12 s: belongs to [10 s, 20 s)
+        make_span(20 * S, 1 * MS),  # ends exactly on a boundary: the next window
+        make_span(9 * S, 1 * MS),
+    ])
+    out = lw.flush()
+    assert [(w.start_unix_nano, w.end_unix_nano, w.count) for w in out] == [
+        (0, 10 * S, 1),
+        (10 * S, 20 * S, 1),
+        (20 * S, 30 * S, 1),
+    ]
+    assert out[1].max_ns == 5 * S
+    assert lw.late_spans == 0
+
+
+def test_late_spans_are_counted_and_excluded():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    lw.add([make_span(31 * S, 1 * MS)])  # watermark 26 s: [0, 10) and [10, 20) are closed
+    lw.add([make_span(5 * S, 7 * MS)])  # window [0, 10) closed: late
+    lw.add([make_span(19 * S, 7 * MS)])  # window [10, 20) closed: late
+    lw.add([make_span(27 * S, 3 * MS)])  # window [20, 30) still open (30 > 26)
+    assert lw.late_spans == 2
+    out = lw.flush()
+    assert [(w.start_unix_nano, w.count) for w in out] == [(20 * S, 1), (30 * S, 1)]
+    assert all(w.max_ns != 7 * MS for w in out)
+
+
+def test_out_of_order_within_lateness_gives_the_same_windows_as_in_order():
+    rng = random.Random(1234)
+    lateness = 5 * S
+    spans = []
+    for _ in range(3000):
+        end = rng.randrange(0, 120 * S)
+        spans.append(make_span(end, rng.randrange(1, 500) * MS, service=rng.choice(["a", "b"]),
+                               name=rng.choice(["x", "y", "z"])))
+    in_order = sorted(spans, key=lambda s: s.end_unix_nano)
+    # Jitter each arrival by less than half the lateness: no span arrives more
+    # than the lateness behind the largest end time already seen.
+    jitter = {s.span_id: rng.randrange(0, lateness // 2) for s in spans}
+    shuffled = sorted(spans, key=lambda s: s.end_unix_nano + jitter[s.span_id])
+    assert shuffled != in_order
+
+    def run(feed: list[Span], batch: int) -> list[tuple]:
+        lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=lateness)
+        out = []
+        for i in range(0, len(feed), batch):
+            lw.add(feed[i:i + batch])
+            out += lw.close()
+        out += lw.flush()
+        assert lw.late_spans == 0
+        return as_tuples(out)
+
+    expected = run(in_order, 100)
+    assert len(expected) == 12 * 6
+    assert run(shuffled, 100) == expected
+    assert run(shuffled, 7) == expected
+    assert sum(t[4] for t in expected) == 3000
+
+
+def test_close_at_watermark_boundary():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    lw.add([
+        make_span(3 * S, 1 * MS, service="b", name="op"),
+        make_span(4 * S, 1 * MS, service="a", name="zz"),
+        make_span(5 * S, 1 * MS, service="a", name="aa"),
+        make_span(14 * S, 2 * MS, service="a", name="aa"),
+    ])
+    assert lw.close() == []  # watermark 9 s < 10 s: nothing closed yet
+    lw.add([make_span(15 * S, 2 * MS, service="a", name="aa")])  # watermark exactly 10 s
+    out = lw.close()
+    assert [(w.service, w.operation, w.start_unix_nano) for w in out] == [
+        ("a", "aa", 0),
+        ("a", "zz", 0),
+        ("b", "op", 0),
+    ]
+    assert lw.open_windows == 1
+    assert lw.close() == []  # emitted windows are forgotten, not emitted twice
+
+
+def test_idle_advance_closes_the_open_window_and_never_moves_back():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    lw.add([make_span(12 * S, 40 * MS), make_span(13 * S, 60 * MS)])
+    assert lw.close() == []
+    assert lw.open_windows == 1
+    # Input went idle: the caller advances by the lateness plus 8 s of wall clock.
+    out = lw.close(idle_advance_ns=5 * S + 8 * S)  # watermark 13 + 8 = 21 s >= 20 s
+    assert [(w.start_unix_nano, w.count, w.max_ns) for w in out] == [(10 * S, 2, 60 * MS)]
+    assert lw.open_windows == 0
+    # The advance is kept: a later close without it does not reopen anything,
+    # and a straggler for the emitted window is late rather than a second result.
+    assert lw.close() == []
+    lw.add([make_span(14 * S, 1 * MS)])
+    assert lw.late_spans == 1
+    assert lw.flush() == []
+
+
+def test_cardinality_bomb_is_bounded_and_counted():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S, max_streams=1_000)
+    lw.add(make_span(1 * S + i, 1 * MS, name=f"GET /item/{i}") for i in range(100_000))
+    assert lw.streams <= 1_000
+    assert lw.open_windows <= 1_000
+    assert lw.overflow_spans == 99_000
+    # Known streams keep being accepted while the table is full.
+    lw.add([make_span(2 * S, 1 * MS, name="GET /item/0")])
+    assert lw.overflow_spans == 99_000
+    out = lw.flush()
+    assert len(out) == 1_000
+    assert sum(w.count for w in out) == 1_001
+
+
+def test_quiet_streams_are_forgotten_so_new_ones_fit():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S, max_streams=2)
+    lw.add([make_span(1 * S, 1 * MS, name="a"), make_span(1 * S, 1 * MS, name="b")])
+    lw.add([make_span(2 * S, 1 * MS, name="c")])
+    assert lw.overflow_spans == 1
+    # Much later event time: "a" and "b" went quiet and are dropped on close.
+    lw.add([make_span(100 * S, 1 * MS, name="a")])
+    lw.close()
+    assert lw.streams == 1
+    lw.add([make_span(101 * S, 1 * MS, name="c")])
+    assert lw.overflow_spans == 1
+    assert lw.streams == 2
+
+
+def test_flush_closes_everything():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    lw.add([make_span(t * S, 1 * MS, name=n) for t in (1, 11, 21, 31) for n in ("x", "y")])
+    assert lw.open_windows > 0
+    out = lw.flush()
+    assert lw.open_windows == 0
+    assert len(out) == 8
+    assert [w.start_unix_nano for w in out] == sorted(w.start_unix_nano for w in out)
+    # After a flush a span for an emitted window cannot produce a duplicate.
+    lw.add([make_span(31 * S, 1 * MS, name="x")])
+    assert lw.late_spans == 1
+    assert lw.flush() == []
+
+
+def test_nothing_seen_closes_to_nothing():
+    lw = LatencyWindows()
+    assert lw.close(idle_advance_ns=60 * S) == []
+    assert lw.flush() == []
+    assert lw.watermark is None
