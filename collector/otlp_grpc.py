@@ -1,87 +1,90 @@
 """OTLP/gRPC receiver: TraceService and MetricsService on one grpc.aio server.
 
-Overload answers RESOURCE_EXHAUSTED with a ``google.rpc.RetryInfo`` detail, and
-a storage failure UNAVAILABLE, both retryable by OTLP exporters; a request
-with nothing valid in it answers INVALID_ARGUMENT with the reasons.
+Requests arrive as bytes and are parsed here, so that unreadable protobuf
+answers INVALID_ARGUMENT with a message (grpc's own decoding would answer
+UNKNOWN). Overload answers RESOURCE_EXHAUSTED and a storage failure
+UNAVAILABLE, both with a ``google.rpc.RetryInfo`` and both retried by OTLP
+exporters; a request with nothing valid in it answers INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from google.protobuf.message import Message
+from google.rpc import code_pb2
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable, bearer_ok
 from spikehound.config import HostPort
-from spikehound.otlp import decode_metrics, decode_spans
+from spikehound.otlp import (
+    Decoded,
+    PayloadError,
+    decode_metrics,
+    decode_spans,
+    parse_metrics_request,
+    parse_trace_request,
+    retry_trailers,
+)
 
 log = logging.getLogger("spikehound.collector.grpc")
 
+TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+METRICS_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 MAX_CONCURRENT_RPCS = 256  # beyond this grpc itself answers RESOURCE_EXHAUSTED
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                 retry_after: int | None = None) -> NoReturn:
-    if retry_after is None:
-        await context.abort(code, message)
-    detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED if code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                               else code_pb2.UNAVAILABLE, message=message)
-    detail.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=Duration(seconds=retry_after)))
-    await context.abort(code, message, trailing_metadata=(("grpc-status-details-bin", detail.SerializeToString()),))
+class _Export:
+    """One service's Export method: bytes in, response message out."""
 
+    def __init__(self, ingest: Ingest, token: str, signal: str, parse: Callable[[bytes], Any],
+                 decode: Callable[[Any], Decoded], response: type[Message], rejected_field: str) -> None:
+        self.ingest, self.token, self.signal = ingest, token, signal
+        self.parse, self.decode, self.response, self.rejected_field = parse, decode, response, rejected_field
 
-class _Receiver:
-    def __init__(self, ingest: Ingest, token: str) -> None:
-        self.ingest = ingest
-        self.token = token
-
-    async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.token:
-            return
-        header = dict(context.invocation_metadata() or ()).get("authorization")
-        if not bearer_ok(header if isinstance(header, str) else None, self.token):
-            self.ingest.telemetry.rejected_requests.labels("grpc", "unauthenticated").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-    async def _submit(self, decoded: Any, signal: str, context: grpc.aio.ServicerContext) -> tuple[int, str]:
+    async def export(self, body: bytes, context: grpc.aio.ServicerContext) -> Message:
+        counted = self.ingest.telemetry.rejected_requests
+        if self.token:
+            header = dict(context.invocation_metadata() or ()).get("authorization")
+            if not bearer_ok(header if isinstance(header, str) else None, self.token):
+                counted.labels("grpc", "unauthenticated").inc()
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         try:
-            accepted = await self.ingest.submit(decoded, signal, "grpc")
+            request = self.parse(body)
+        except PayloadError as exc:
+            counted.labels("grpc", "bad_payload").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            accepted = await self.ingest.submit(self.decode(request), self.signal, "grpc")
         except InvalidPayload as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
+            await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
         except Unavailable as exc:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
-        return accepted.rejected, accepted.message
-
-
-class TraceReceiver(_Receiver, trace_service_pb2_grpc.TraceServiceServicer):
-    async def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-                     context: grpc.aio.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
-        await self._check_auth(context)
-        rejected, message = await self._submit(decode_spans(request), "spans", context)
-        response = trace_service_pb2.ExportTraceServiceResponse()
-        if rejected:
-            response.partial_success.rejected_spans = rejected
-            response.partial_success.error_message = message
+            await _abort_retry(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
+        response = self.response()
+        if accepted.rejected:
+            setattr(response.partial_success, self.rejected_field, accepted.rejected)  # type: ignore[attr-defined]
+            response.partial_success.error_message = accepted.message  # type: ignore[attr-defined]
         return response
 
 
-class MetricsReceiver(_Receiver, metrics_service_pb2_grpc.MetricsServiceServicer):
-    async def Export(self, request: metrics_service_pb2.ExportMetricsServiceRequest,
-                     context: grpc.aio.ServicerContext) -> metrics_service_pb2.ExportMetricsServiceResponse:
-        await self._check_auth(context)
-        rejected, message = await self._submit(decode_metrics(request), "metrics", context)
-        response = metrics_service_pb2.ExportMetricsServiceResponse()
-        if rejected:
-            response.partial_success.rejected_data_points = rejected
-            response.partial_success.error_message = message
-        return response
+async def _abort_retry(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                       retry_after: int) -> NoReturn:
+    rpc_code = code_pb2.RESOURCE_EXHAUSTED if code == grpc.StatusCode.RESOURCE_EXHAUSTED else code_pb2.UNAVAILABLE
+    await context.abort(code, message, trailing_metadata=retry_trailers(rpc_code, message, retry_after))
+    raise AssertionError("unreachable: abort raises")
+
+
+def _handler(service: str, export: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]
+             ) -> grpc.GenericRpcHandler:
+    method = grpc.unary_unary_rpc_method_handler(export, request_deserializer=None,
+                                                 response_serializer=lambda m: m.SerializeToString())
+    return grpc.method_handlers_generic_handler(service, {"Export": method})
 
 
 async def start_grpc(ingest: Ingest, listen: HostPort, token: str,
@@ -91,8 +94,12 @@ async def start_grpc(ingest: Ingest, listen: HostPort, token: str,
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceReceiver(ingest, token), server)
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsReceiver(ingest, token), server)
+    server.add_generic_rpc_handlers((
+        _handler(TRACE_SERVICE, _Export(ingest, token, "spans", parse_trace_request, decode_spans,
+                                        ExportTraceServiceResponse, "rejected_spans").export),
+        _handler(METRICS_SERVICE, _Export(ingest, token, "metrics", parse_metrics_request, decode_metrics,
+                                          ExportMetricsServiceResponse, "rejected_data_points").export),
+    ))
     address = str(listen)
     try:
         port = server.add_insecure_port(address)

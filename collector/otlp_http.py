@@ -9,7 +9,6 @@ unknown media type 415 and an oversized body 413, each with a message.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +21,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable, bearer_ok
 from spikehound.otlp import (
+    MEDIA_TYPES,
+    BodyTooLarge,
     Decoded,
     PayloadError,
     decode_metrics,
     decode_spans,
+    gunzip,
     parse_metrics_request,
     parse_trace_request,
 )
@@ -34,25 +36,6 @@ log = logging.getLogger("spikehound.collector.http")
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-_MEDIA_TYPES = {PROTOBUF: False, "application/protobuf": False, JSON: True}
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def _gunzip(body: bytes, limit: int) -> bytes:
-    # Decompress with a cap so that a small gzip bomb cannot exhaust memory.
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise PayloadError(f"invalid gzip body: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise _TooLarge(f"decompressed body exceeds {limit} bytes")
-    if not inflater.eof:
-        raise PayloadError("invalid gzip body: truncated")
-    return out
 
 
 class HttpReceiver:
@@ -62,7 +45,8 @@ class HttpReceiver:
         self.max_request_bytes = max_request_bytes
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_request_bytes)
+        # aiohttp would inflate the body itself, without a size cap: gunzip() does it with one.
+        app = web.Application(client_max_size=self.max_request_bytes, handler_args={"auto_decompress": False})
         app.router.add_post("/v1/traces", self.traces)
         app.router.add_post("/v1/metrics", self.metrics)
         return app
@@ -83,11 +67,11 @@ class HttpReceiver:
             counted.labels("http", "unauthenticated").inc()
             return web.json_response({"code": 16, "message": "missing or wrong bearer token"}, status=401)
         media = request.content_type
-        if media not in _MEDIA_TYPES:
+        if media not in MEDIA_TYPES:
             counted.labels("http", "unsupported_media_type").inc()
             return web.json_response({"code": 3, "message": f"unsupported Content-Type {media!r}; "
                                       f"use {PROTOBUF} or {JSON}"}, status=415)
-        as_json = _MEDIA_TYPES[media]
+        as_json = MEDIA_TYPES[media]
         encoding = request.headers.get("Content-Encoding", "identity").lower()
         if encoding not in ("gzip", "identity", ""):
             counted.labels("http", "unsupported_encoding").inc()
@@ -95,9 +79,9 @@ class HttpReceiver:
         try:
             body = await request.read()
             if encoding == "gzip":
-                body = _gunzip(body, self.max_request_bytes)
+                body = gunzip(body, self.max_request_bytes)
             decoded = decode(parse(body, json=as_json))
-        except (web.HTTPRequestEntityTooLarge, _TooLarge):
+        except (web.HTTPRequestEntityTooLarge, BodyTooLarge):
             counted.labels("http", "too_large").inc()
             return self._status(as_json, 413, f"request body exceeds {self.max_request_bytes} bytes")
         except PayloadError as exc:

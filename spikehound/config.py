@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 ENV_PREFIX = "SPIKEHOUND_"
 ENV_CONFIG_FILE = "SPIKEHOUND_CONFIG"  # names the TOML file; not itself a setting
+# Variables of the client commands (``spikehound spikes``), not settings of a daemon.
+ENV_NOT_SETTINGS = frozenset({ENV_CONFIG_FILE, "SPIKEHOUND_API_URL"})
 
 
 class ConfigError(ValueError):
@@ -147,18 +150,20 @@ def load(path: str | os.PathLike[str] | None = None, *, env: typing.Mapping[str,
     """Build the configuration from its layers; raise ConfigError on the first problem."""
     env = os.environ if env is None else env
     cfg = Config()
+    sources: dict[str, str] = {}  # key -> where its value came from, for the messages of _check
     path = path or env.get(ENV_CONFIG_FILE)
     if path:
         for key, value in _read_toml(Path(path)).items():
-            _assign(cfg, key, value, f"{path}")
+            sources[key] = _assign(cfg, key, value, f"{path}")
     for name, value in env.items():
-        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
-            _assign(cfg, _env_key(name), value, name)
+        if name.startswith(ENV_PREFIX) and name not in ENV_NOT_SETTINGS:
+            key = _env_key(name)
+            sources[key] = _assign(cfg, key, value, name)
     for key, value in (flags or {}).items():
         if value is not None:
             source = (flag_names or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
-            _assign(cfg, key, value, source)
-    _check(cfg)
+            sources[key] = _assign(cfg, key, value, source)
+    _check(cfg, sources)
     return cfg
 
 
@@ -169,6 +174,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start})") from None
     flat: dict[str, Any] = {}
     for key, value in doc.items():
         if isinstance(value, dict):
@@ -185,7 +192,7 @@ def _env_key(name: str) -> str:
     return f"{section}.{key}" if section in SECTIONS and key else rest
 
 
-def _assign(cfg: Config, key: str, raw: Any, source: str) -> None:
+def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
     section_name, _, name = key.rpartition(".")
     target: Any = getattr(cfg, section_name, None) if section_name else cfg
     known = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
@@ -197,6 +204,7 @@ def _assign(cfg: Config, key: str, raw: Any, source: str) -> None:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{key} (from {source}): {exc}") from None
     setattr(target, name, value)
+    return source
 
 
 def _coerce(raw: Any, hint: Any) -> Any:
@@ -232,9 +240,12 @@ def _coerce(raw: Any, hint: Any) -> Any:
         if isinstance(raw, bool):
             raise ValueError(f"expected a number, got {raw!r}")
         try:
-            return float(raw)
+            number = float(raw)
         except ValueError:
             raise ValueError(f"expected a number, got {raw!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"expected a finite number, got {raw!r}")
+        return number
     if hint is str:
         if not isinstance(raw, str):
             raise ValueError(f"expected a string, got {raw!r}")
@@ -242,7 +253,10 @@ def _coerce(raw: Any, hint: Any) -> Any:
     raise TypeError(f"unsupported setting type {hint!r}")  # pragma: no cover - a programming error
 
 
-def _check(cfg: Config) -> None:
+def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
+    def named(key: str) -> str:
+        return f"{key} (from {sources[key]})" if key in sources else key
+
     c = cfg.collector
     positive = {"collector.queue_capacity": c.queue_capacity, "collector.batch_max_items": c.batch_max_items,
                 "collector.max_request_bytes": c.max_request_bytes, "collector.window_seconds": c.window_seconds,
@@ -251,30 +265,38 @@ def _check(cfg: Config) -> None:
                 "storage.metric_retention_hours": cfg.storage.metric_retention_hours}
     for key, value in positive.items():
         if value <= 0:
-            raise ConfigError(f"{key}: must be greater than 0, got {value}")
+            raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     for key, value in {"collector.allowed_lateness_seconds": c.allowed_lateness_seconds,
                        "collector.idle_flush_seconds": c.idle_flush_seconds,
                        "collector.retry_after_seconds": c.retry_after_seconds}.items():
         if value < 0:
-            raise ConfigError(f"{key}: must not be negative, got {value}")
+            raise ConfigError(f"{named(key)}: must not be negative, got {value}")
     if not c.api.is_loopback and not c.api_token:
-        raise ConfigError(f"collector.api: listening on {c.api} beyond loopback needs collector.api_token "
+        raise ConfigError(f"{named('collector.api')}: listening on {c.api} beyond loopback needs collector.api_token "
                           "(set SPIKEHOUND_COLLECTOR_API_TOKEN)")
     url = cfg.database_url
     if not url.startswith(("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")):
-        raise ConfigError(f"storage.url: expected a sqlite:// or postgresql:// URL, got {redact_url(url)!r}")
+        raise ConfigError(f"{named('storage.url')}: expected a sqlite:// or postgresql:// URL, "
+                          f"got {redact_url(url)!r}")
 
 
 SECRET_SUFFIXES = ("token", "secret", "password")
 
 
 def redact_url(url: str) -> str:
-    """Hide the password in a database URL: ``postgresql://u:***@h/db``."""
-    parts = urlsplit(url)
+    """Hide the password in a database URL: ``postgresql://u:***@h/db``, also ``?password=***``.
+
+    >>> redact_url("postgresql://app:s3cret@db/spikehound?sslmode=require&password=s3cret")
+    'postgresql://app:***@db/spikehound?sslmode=require&password=***'
+    """
+    parts = original = urlsplit(url)
     if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(k.lower() == "password" for k, _ in query):
+        parts = parts._replace(query=urlencode([(k, "***" if k.lower() == "password" else v) for k, v in query],
+                                               safe="*"))
+    return url if parts == original else urlunsplit(parts)
 
 
 def effective(cfg: Config) -> dict[str, Any]:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from google.protobuf import json_format
+from google.protobuf import duration_pb2, json_format
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -43,10 +46,56 @@ _KINDS = {0: SpanKind.INTERNAL, 1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: Spa
           4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
 _STATUSES = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
 _NO_RECORDED_VALUE = 1  # DataPointFlags.FLAG_NO_RECORDED_VALUE_MASK
+MAX_TIME_NS = (1 << 63) - 1  # times are stored as signed 64-bit integers
 
 
 class PayloadError(ValueError):
     """The request as a whole cannot be read (garbage bytes, broken JSON)."""
+
+
+class BodyTooLarge(ValueError):
+    """The request body (after decompression) is larger than allowed."""
+
+
+def retry_trailers(rpc_code: int, message: str, retry_after: int) -> tuple[tuple[str, bytes], ...]:
+    """gRPC trailing metadata asking an OTLP exporter to retry after ``retry_after`` seconds.
+
+    The ``google.rpc.RetryInfo`` goes in ``grpc-status-details-bin`` (gRPC's rich error
+    model) and in ``google.rpc.retryinfo-bin``, where the Python SDK's exporter reads it.
+    ``rpc_code`` is a ``google.rpc.Code`` (8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE).
+    """
+    info = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=retry_after))
+    status = status_pb2.Status(code=rpc_code, message=message)
+    status.details.add().Pack(info)
+    return (("grpc-status-details-bin", status.SerializeToString()),
+            ("google.rpc.retryinfo-bin", info.SerializeToString()))
+
+
+# OTLP/HTTP media types and whether each is JSON.
+MEDIA_TYPES = {"application/x-protobuf": False, "application/protobuf": False, "application/json": True}
+
+
+def gunzip(body: bytes, limit: int) -> bytes:
+    """Inflate a gzip body, refusing to grow past ``limit`` bytes (a small gzip bomb stays small).
+
+    >>> import gzip
+    >>> gunzip(gzip.compress(b"x" * 10), limit=100)
+    b'xxxxxxxxxx'
+    >>> gunzip(gzip.compress(b"x" * 1000), limit=100)
+    Traceback (most recent call last):
+    ...
+    spikehound.otlp.BodyTooLarge: decompressed body exceeds 100 bytes
+    """
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise PayloadError(f"invalid gzip body: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise BodyTooLarge(f"decompressed body exceeds {limit} bytes")
+    if not inflater.eof:
+        raise PayloadError("invalid gzip body: truncated")
+    return out
 
 
 @dataclass(slots=True)
@@ -187,6 +236,8 @@ def _span_problem(sp: trace_pb2.Span) -> str | None:
         return f"parent_span_id must be empty or 8 bytes, got {len(sp.parent_span_id)}"
     if not sp.start_time_unix_nano or not sp.end_time_unix_nano:
         return "start and end time are required"
+    if sp.end_time_unix_nano > MAX_TIME_NS:
+        return f"end time {sp.end_time_unix_nano} is beyond the year 2262"
     if sp.end_time_unix_nano < sp.start_time_unix_nano:
         return (f"end time {sp.end_time_unix_nano} is before start time {sp.start_time_unix_nano}")
     return None
@@ -284,15 +335,20 @@ def decode_metrics(req: ExportMetricsServiceRequest, host_override: str | None =
                     if number is None:
                         out.reject(f"metric {metric.name}: data point without a value")
                         continue
-                    if not dp.time_unix_nano:
-                        out.reject(f"metric {metric.name}: data point without time_unix_nano")
+                    if not dp.time_unix_nano or dp.time_unix_nano > MAX_TIME_NS:
+                        out.reject(f"metric {metric.name}: data point time {dp.time_unix_nano} is missing or "
+                                   "beyond the year 2262")
+                        continue
+                    value = float(dp.as_double if number == "as_double" else dp.as_int)
+                    if math.isnan(value):
+                        out.reject(f"metric {metric.name}: value is NaN")
                         continue
                     out.points.append(MetricPoint(
                         host=host,
                         name=metric.name,
                         attributes=attributes(dp.attributes),
                         time_unix_nano=dp.time_unix_nano,
-                        value=float(dp.as_double if number == "as_double" else dp.as_int),
+                        value=value,
                         kind=kind,
                         unit=metric.unit,
                         start_unix_nano=dp.start_time_unix_nano,

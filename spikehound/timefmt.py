@@ -12,6 +12,8 @@ import re
 from datetime import UTC, datetime
 
 NS = 1_000_000_000
+# Times are stored as signed 64-bit nanoseconds: 1677-09-21 to 2262-04-11.
+MIN_NS, MAX_NS = -(2**63), 2**63 - 1
 
 
 def rfc3339(unix_nano: int | None) -> str | None:
@@ -32,15 +34,23 @@ def parse_time(text: str) -> int:
     value = text.strip()
     unix = _UNIX.match(value)
     if unix:
-        return int(unix[1]) * NS + int((unix[2] or "").ljust(9, "0"))
+        return _in_range(int(unix[1]) * NS + int((unix[2] or "").ljust(9, "0")), text)
     # datetime keeps microseconds only: take the fraction out and add it back at full precision.
     fraction = _FRACTION.search(value)
     nanos = int(fraction[1][:9].ljust(9, "0")) if fraction else 0
     bare = _FRACTION.sub("", value, count=1).replace("z", "Z").replace("Z", "+00:00")
     try:
+        if "." in bare:  # a second fraction: garbage that fromisoformat would half-read
+            raise ValueError
         moment = datetime.fromisoformat(bare)
     except ValueError:
         raise ValueError(f"{text!r} is neither RFC 3339 nor unix seconds") from None
     if moment.tzinfo is None:
         raise ValueError(f"{text!r} has no time zone (use Z for UTC)")
-    return int(moment.timestamp()) * NS + nanos
+    return _in_range(int(moment.timestamp()) * NS + nanos, text)
+
+
+def _in_range(unix_nano: int, text: str) -> int:
+    if not MIN_NS <= unix_nano <= MAX_NS:
+        raise ValueError(f"{text!r} is out of range (1677-09-21 to 2262-04-11)")
+    return unix_nano

@@ -104,6 +104,8 @@ latency_windows = Table(
     Column("p99_ns", BigInteger, nullable=False),
     Column("max_ns", BigInteger, nullable=False),
     PrimaryKeyConstraint("service", "operation", "start_ns", name="pk_latency_windows"),
+    # /api/v1/latency?service= without an operation: the primary key alone would read the service's whole history.
+    Index("ix_latency_windows_service_start", "service", "start_ns"),
 )
 
 spikes = Table(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, String, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from spikehound.model import LatencyWindow, MetricPoint, Span, Spike
@@ -36,6 +36,34 @@ class WriteBatch:
 
     def __len__(self) -> int:
         return len(self.spans) + len(self.points)
+
+
+def _fit(value: str, limit: int | None) -> str:
+    """What a text column can hold: PostgreSQL refuses NUL characters and strings longer than a VARCHAR.
+
+    Senders choose service, host and span names; one odd name must not fail the batch it came in.
+    """
+    return value.replace("\x00", "\ufffd")[:limit]
+
+
+def _fits(value: str | None, limit: int | None) -> bool:
+    return value is None or ((limit is None or len(value) <= limit) and "\x00" not in value)
+
+
+def _fit_rows(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fit every text value of ``rows`` to ``table``'s columns (rows are changed in place)."""
+    limits = {c.name: c.type.length for c in table.columns if isinstance(c.type, String)}
+    for row in rows:
+        for name, limit in limits.items():
+            value = row.get(name)
+            if not _fits(value, limit):
+                row[name] = _fit(value, limit)
+    return rows
+
+
+_SERVICE_MAX = schema.spans.c.service.type.length
+_HOST_MAX = schema.spans.c.host.type.length
+_NAME_MAX = schema.spans.c.name.type.length
 
 
 def _json(value: Any) -> str:
@@ -100,10 +128,11 @@ class Writer:
             touch = [{"host": h, "last_seen_at": now_ns} for h in sorted(hosts)
                      if now_ns - self._cache.host_touched.get(h, 0) >= HOST_TOUCH_INTERVAL_NS]
             if touch:
-                conn.execute(self._hosts, touch)
+                conn.execute(self._hosts, _fit_rows(schema.hosts, [dict(t) for t in touch]))
                 pending.host_touched.update((t["host"], now_ns) for t in touch)
             if batch.windows:
-                conn.execute(self._windows, [_window_row(w) for w in batch.windows])
+                conn.execute(self._windows, _fit_rows(schema.latency_windows,
+                                                      [_window_row(w) for w in batch.windows]))
             if batch.spikes:
                 self._write_spikes(conn, batch.spikes)
         # Only committed rows may enter the caches, or a rolled-back insert would be skipped forever.
@@ -129,13 +158,18 @@ class Writer:
             if op not in cache.operations and op not in pending.operations:
                 pending.operations.add(op)
                 new_operations.append({"service": s.service, "name": s.name, "first_seen_at": now_s})
-            rows.append((s.trace_id, s.span_id, s.parent_span_id, s.service, s.host, s.name, int(s.kind),
+            service, host, name = s.service, s.host, s.name
+            if (len(name) > _NAME_MAX or len(service) > _SERVICE_MAX or "\x00" in name or "\x00" in service
+                    or (host is not None and (len(host) > _HOST_MAX or "\x00" in host))):  # inline: hot path
+                service, name = _fit(service, _SERVICE_MAX), _fit(name, _NAME_MAX)
+                host = host if host is None else _fit(host, _HOST_MAX)
+            rows.append((s.trace_id, s.span_id, s.parent_span_id, service, host, name, int(s.kind),
                          s.start_unix_nano, s.end_unix_nano - s.start_unix_nano, int(s.status), rid,
                          s.raw or encode_span(s).SerializeToString(), now_s))
         if new_resources:
-            conn.execute(self._resources, new_resources)
+            conn.execute(self._resources, _fit_rows(schema.resources, new_resources))
         if new_operations:
-            conn.execute(self._operations, new_operations)
+            conn.execute(self._operations, _fit_rows(schema.operations, new_operations))
         conn.exec_driver_sql(self._span_sql, rows)
 
     def _write_points(self, conn: Any, points: Sequence[MetricPoint], now_s: int, pending: _Caches) -> None:
@@ -151,18 +185,19 @@ class Writer:
 
     def _series_id(self, conn: Any, p: MetricPoint, attrs: str) -> int:
         t = schema.metric_series
-        conn.execute(self._series, {"host": p.host, "name": p.name, "attributes": attrs,
-                                    "kind": int(p.kind), "unit": p.unit})
-        return conn.execute(select(t.c.id).where(t.c.host == p.host, t.c.name == p.name,
-                                                 t.c.attributes == attrs)).scalar_one()
+        (row,) = _fit_rows(t, [{"host": p.host, "name": p.name, "attributes": attrs, "kind": int(p.kind),
+                                "unit": p.unit}])
+        conn.execute(self._series, row)
+        return conn.execute(select(t.c.id).where(t.c.host == row["host"], t.c.name == row["name"],
+                                                 t.c.attributes == row["attributes"])).scalar_one()
 
     def _write_spikes(self, conn: Any, spikes: Sequence[Spike]) -> None:
-        conn.execute(self._spikes, [{
+        conn.execute(self._spikes, _fit_rows(schema.spikes, [{
             "id": s.id, "service": s.service, "operation": s.operation, "state": s.state,
             "start_ns": s.start_unix_nano, "end_ns": s.end_unix_nano, "p99_ns": s.p99_ns,
             "baseline_p99_ns": s.baseline_p99_ns,
             "exemplar_trace_ids": _json([t.hex() for t in s.exemplar_trace_ids]),
-        } for s in spikes])
+        } for s in spikes]))
         # Causes are re-ranked while a spike lasts: replace them as a whole.
         conn.execute(schema.causes.delete().where(schema.causes.c.spike_id.in_([s.id for s in spikes])))
         cause_rows = [{
@@ -171,7 +206,7 @@ class Writer:
             "baseline": c.baseline, "observed": c.observed, "unit": c.unit, "summary": c.summary,
         } for s in spikes for rank, c in enumerate(s.causes)]
         if cause_rows:
-            conn.execute(schema.causes.insert(), cause_rows)
+            conn.execute(schema.causes.insert(), _fit_rows(schema.causes, cause_rows))
 
 
 def _window_row(w: LatencyWindow) -> dict[str, Any]:

@@ -19,8 +19,6 @@ IN_CI = os.environ.get("CI") == "true"
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PostgresServer]:
     """One PostgreSQL server for the session; each test that asks gets its own database."""
-    if os.environ.get("SPIKEHOUND_TEST_PG_URL"):
-        pytest.skip("using the external server named by SPIKEHOUND_TEST_PG_URL")
     if find_pg_bin() is None:
         if IN_CI:
             pytest.fail("PostgreSQL binaries are missing; CI must test against a real server")

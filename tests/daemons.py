@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import requests
 
@@ -88,15 +88,18 @@ class CollectorProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self._log: BinaryIO | None = None
 
     def start(self, timeout: float = 60) -> CollectorProcess:
         exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
         self.starts += 1
-        log = open(self.workdir / f"collector-{self.starts}.log", "wb")  # noqa: SIM115 - lives with the process
+        if self._log is not None:
+            self._log.close()
+        self._log = open(self.workdir / f"collector-{self.starts}.log", "wb")  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(
             [exe, "collector", "--db", self.db_url, "--api", f"127.0.0.1:{self.api_port}",
              "--otlp-grpc", f"127.0.0.1:{self.grpc_port}", "--otlp-http", f"127.0.0.1:{self.http_port}"],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -118,11 +121,20 @@ class CollectorProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        self._close_log()
 
     def terminate(self, timeout: float = 30) -> int:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     @property
     def api(self) -> str:

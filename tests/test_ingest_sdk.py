@@ -76,7 +76,8 @@ def assert_trace_matches(api: str, sent: list[ReadableSpan], service: str) -> No
         by_trace.setdefault(s.context.trace_id, []).append(s)
     for trace_id, spans in by_trace.items():
         hex_id = format(trace_id, "032x")
-        body = wait_json(f"{api}/api/v1/traces/{hex_id}", lambda b, n=len(spans): len(b["spans"]) == n)
+        expected = len(spans)
+        body = wait_json(f"{api}/api/v1/traces/{hex_id}", lambda b, n=expected: len(b["spans"]) == n)
         got = {s["span_id"]: s for s in body["spans"]}
         for s in spans:
             g = got[format(s.context.span_id, "016x")]

@@ -1,0 +1,100 @@
+"""The agent's forward queue: memory first, then the disk spool, always first in, first out.
+
+New requests go to memory while there is room and nothing is spooled; once
+memory is full (the collector is away or pushing back) they go to the spool,
+and keep going there until it is drained, so replay order is arrival order.
+When the spool is full too, ``put`` returns False and the receivers push back
+on their senders. On shutdown the unsent memory items are written to the head
+of the spool, ahead of what was spooled later.
+
+>>> import tempfile
+>>> from pathlib import Path
+>>> from agent.spool import DiskSpool, Item, Signal
+>>> q = ForwardQueue(memory_bytes=100, spool=DiskSpool(Path(tempfile.mkdtemp()), max_bytes=1000))
+>>> [q.put(Item(Signal.TRACES, bytes(60), 1)) for _ in range(3)]
+[True, True, True]
+>>> q.memory_items, len(q.spool)
+(1, 2)
+>>> q.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from agent.spool import DiskSpool, Item
+
+
+class ForwardQueue:
+    """Memory deque in front of a DiskSpool; use from the event loop only."""
+
+    def __init__(self, memory_bytes: int, spool: DiskSpool) -> None:
+        self.memory_bytes = memory_bytes
+        self.spool = spool
+        self._memory: deque[Item] = deque()
+        self._memory_used = 0
+        self._ready = asyncio.Event() if _has_loop() else None
+        self.spilled_items = 0  # requests that went to disk
+
+    @property
+    def memory_items(self) -> int:
+        return len(self._memory)
+
+    @property
+    def memory_used(self) -> int:
+        return self._memory_used
+
+    def __len__(self) -> int:
+        return len(self._memory) + len(self.spool)
+
+    def put(self, item: Item) -> bool:
+        """Queue ``item``; False when neither memory nor the spool has room (push back)."""
+        if not len(self.spool) and self._memory_used + item.size <= self.memory_bytes:
+            self._memory.append(item)
+            self._memory_used += item.size
+        elif self.spool.append(item):
+            self.spilled_items += 1
+        else:
+            return False
+        if self._ready is not None:
+            self._ready.set()
+        return True
+
+    def peek(self) -> Item | None:
+        return self._memory[0] if self._memory else self.spool.peek()
+
+    def pop(self) -> None:
+        """Remove the item ``peek`` returned, once the collector has acknowledged it."""
+        if self._memory:
+            self._memory_used -= self._memory.popleft().size
+        else:
+            self.spool.pop()
+
+    async def wait(self) -> None:
+        """Return when there is something to forward."""
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        while self.peek() is None:
+            self._ready.clear()
+            await self._ready.wait()
+
+    def spill_memory(self) -> int:
+        """Move unsent memory items to the head of the spool (at shutdown); return how many did not fit."""
+        left = self.spool.prepend(list(self._memory))
+        self.spilled_items += len(self._memory) - len(left)
+        self._memory = deque(left)
+        self._memory_used = sum(i.size for i in left)
+        return len(left)
+
+    def close(self) -> None:
+        self.spool.close()
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+

@@ -1,0 +1,1 @@
+"""Agent samplers: each has a ``name``, ``start() -> bool``, ``sample() -> list[Sample]`` and ``close()``."""

@@ -1,0 +1,632 @@
+"""Sustained ingest rate: OTLP/gRPC into SQLite (or PostgreSQL) with the detectors on.
+
+Run from the repository root: ``python -m benchmarks.ingest`` (``make bench``).
+
+What is measured
+----------------
+1. **Reference** -- the protobuf-decode-only rate, single thread, in this process:
+   ``ExportTraceServiceRequest.FromString(body)`` plus ``spikehound.otlp.decode_spans``
+   over the very request bodies that the load generator sends. Every span the
+   collector stores has to pass through exactly this, so it is the ceiling of
+   one collector core. The ratio ingest/decode says how much of the collector's
+   time goes to everything else (gRPC, queue, SQL, latency windows); it also
+   normalises for the machine, so two runs on different hardware compare by it.
+2. **Sustained ingest** -- a real ``spikehound collector`` child process
+   (SQLite in a temporary directory unless ``--db`` names a database), loaded by
+   separate sender processes that replay PRE-ENCODED export requests with a raw
+   gRPC generic unary call, so the load generator costs little next to the
+   collector it measures. A span counts once the collector has acknowledged it,
+   which it does only after the commit. RESOURCE_EXHAUSTED / UNAVAILABLE answers
+   make the sender pause briefly and retry the same request. After a warm-up the
+   acknowledged spans are counted for ``--seconds``. The collector's own
+   ``spikehound_ingest_stored_total`` must then be at least the acknowledged
+   count, and (SQLite) the spans table must hold at least as many rows.
+   The collector's CPU use (``/proc/PID/stat``) over the measured interval is
+   reported in cores.
+
+Workload: multi-service AI-inference traces (gateway SERVER root -> preprocess ->
+feature-store DB CLIENT call; gateway CLIENT -> model-server SERVER -> forward;
+postprocess), a handful of attributes per span, three hosts, heavy-tailed
+durations from a fixed seed, end times just before the run. Spans are grouped
+into ``--batch``-span requests with ``spikehound.otlp.encode_spans`` and
+serialised once. The requests are replayed in rounds; every round gives every
+trace id a fresh 8-byte prefix (a ``bytes.replace`` on the encoded body), so each
+stored span is new and the unique (trace_id, span_id) index sees real inserts,
+never cheap conflicts. Event times repeat from round to round, so latency
+windows keep being filled but close only once input stops.
+
+This is a measurement, not a test: it exits 0 whatever the rate, and non-zero
+only when the benchmark itself failed (collector died, nothing acknowledged,
+acknowledged spans missing from storage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from spikehound.model import Span, SpanKind, StatusCode
+from spikehound.otlp import decode_spans, encode_spans
+
+EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+TARGET_SPANS_PER_SECOND = 50_000
+SEED = 20240917
+MARKER_BYTES = 8  # trace ids are MARKER + 8 bytes; a round swaps the marker for a fresh one
+RETRY_PAUSE_SECONDS = 0.05
+CALL_TIMEOUT_SECONDS = 60.0
+START_TIMEOUT_SECONDS = 60.0
+NS = 1_000_000_000
+MS = 1_000_000
+
+# --- workload ---------------------------------------------------------------------------------
+
+HOSTS = ("gpu-node-1", "gpu-node-2", "gpu-node-3")
+# model -> (public route, median forward latency in ms, typical batch sizes)
+MODELS: dict[str, tuple[str, float, tuple[int, ...]]] = {
+    "llama-3-8b-instruct": ("POST /v1/chat/completions", 45.0, (1, 2, 4, 8)),
+    "mistral-7b-instruct": ("POST /v1/chat/completions", 35.0, (1, 2, 4, 8, 16)),
+    "bge-reranker-v2": ("POST /v1/rerank", 8.0, (8, 16, 32)),
+}
+GATEWAY_RESOURCE = {"service.version": "2.14.1", "deployment.environment": "bench", "telemetry.sdk.language": "python"}
+MODEL_RESOURCE = {"service.version": "0.9.3", "deployment.environment": "bench", "telemetry.sdk.language": "python",
+                  "process.runtime.name": "cpython"}
+
+
+def _duration_ns(rng: random.Random, median_ms: float, sigma: float, tail_p: float = 0.02) -> int:
+    """Log-normal around ``median_ms`` with an occasional Pareto tail (the p99 spikes)."""
+    ms = median_ms * math.exp(rng.gauss(0.0, sigma))
+    if rng.random() < tail_p:
+        ms *= min(rng.paretovariate(1.3), 50.0)
+    return max(int(ms * MS), 1_000)
+
+
+def _span_id(rng: random.Random) -> bytes:
+    return (rng.getrandbits(64) | 1).to_bytes(8, "big")  # never all zeroes
+
+
+def make_trace(rng: random.Random, marker: bytes, root_end_ns: int) -> list[Span]:
+    """One inference request: 7 spans over the gateway and the model server."""
+    model = rng.choice(list(MODELS))
+    route, forward_median, batches = MODELS[model]
+    batch = rng.choice(batches)
+    trace_id = marker + rng.getrandbits(64).to_bytes(8, "big")
+    gw_host, ms_host = rng.choice(HOSTS), rng.choice(HOSTS)
+    error = rng.random() < 0.005
+
+    gap = 50_000
+    db = _duration_ns(rng, 1.5, 0.6)
+    pre = db + _duration_ns(rng, 2.0, 0.4)
+    fwd = _duration_ns(rng, forward_median * (1 + batch / 32), 0.35)
+    srv = fwd + _duration_ns(rng, 0.8, 0.3)
+    net = _duration_ns(rng, 0.3, 0.5, tail_p=0.01)
+    cli = srv + 2 * net
+    post = _duration_ns(rng, 1.0, 0.4)
+    root = 4 * gap + pre + cli + post
+    t0 = root_end_ns - root
+
+    root_id, pre_id, db_id, cli_id, srv_id, fwd_id, post_id = (_span_id(rng) for _ in range(7))
+    pre_start = t0 + gap
+    cli_start = pre_start + pre + gap
+    srv_start = cli_start + net
+    post_start = cli_start + cli + gap
+    status = StatusCode.ERROR if error else StatusCode.UNSET
+
+    def span(span_id: bytes, parent: bytes | None, service: str, name: str, kind: SpanKind, start: int,
+             duration: int, attributes: dict[str, Any], span_status: StatusCode = StatusCode.UNSET) -> Span:
+        on_gateway = service == "gateway"
+        return Span(trace_id=trace_id, span_id=span_id, parent_span_id=parent, service=service,
+                    host=gw_host if on_gateway else ms_host, name=name, kind=kind, start_unix_nano=start,
+                    end_unix_nano=start + duration, status=span_status, attributes=attributes,
+                    resource=GATEWAY_RESOURCE if on_gateway else MODEL_RESOURCE)
+
+    return [
+        span(root_id, None, "gateway", route, SpanKind.SERVER, t0, root,
+             {"http.method": "POST", "http.route": route.split(" ", 1)[1], "http.status_code": 500 if error else 200,
+              "model.name": model}, status),
+        span(pre_id, root_id, "gateway", "preprocess", SpanKind.INTERNAL, pre_start, pre,
+             {"model.name": model, "input.tokens": rng.randint(16, 2048)}),
+        span(db_id, pre_id, "gateway", "HGETALL features", SpanKind.CLIENT, pre_start + (pre - db) // 2, db,
+             {"db.system": "redis", "db.operation": "HGETALL", "peer.service": "feature-store",
+              "server.address": "feature-store.internal", "server.port": 6379}),
+        span(cli_id, root_id, "gateway", "POST /infer", SpanKind.CLIENT, cli_start, cli,
+             {"http.method": "POST", "server.address": "model-server.internal", "peer.service": "model-server",
+              "model.name": model}, status),
+        span(srv_id, cli_id, "model-server", "POST /infer", SpanKind.SERVER, srv_start, srv,
+             {"http.method": "POST", "http.route": "/infer", "model.name": model, "batch.size": batch}, status),
+        span(fwd_id, srv_id, "model-server", "forward", SpanKind.INTERNAL, srv_start + (srv - fwd) // 2, fwd,
+             {"model.name": model, "batch.size": batch, "gpu.id": rng.randrange(8), "model.dtype": "bfloat16"},
+             status),
+        span(post_id, root_id, "gateway", "postprocess", SpanKind.INTERNAL, post_start, post,
+             {"output.tokens": rng.randint(1, 1024), "model.name": model}),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    bodies: list[bytes]
+    spans_per_body: list[int]
+    marker: bytes
+
+    @property
+    def spans(self) -> int:
+        return sum(self.spans_per_body)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(b) for b in self.bodies)
+
+
+def make_workload(requests: int, batch: int, seed: int = SEED) -> Workload:
+    """``requests`` serialised export requests of ``batch`` spans each, ends within 2 s before now."""
+    rng = random.Random(seed)
+    marker = rng.getrandbits(64).to_bytes(MARKER_BYTES, "big")
+    now = time.time_ns()
+    spans: list[Span] = []
+    while len(spans) < requests * batch:
+        spans += make_trace(rng, marker, now - rng.randrange(2 * NS))
+    bodies = [encode_spans(spans[i:i + batch]).SerializeToString() for i in range(0, requests * batch, batch)]
+    if any(body.count(marker) != len(decode_spans(ExportTraceServiceRequest.FromString(body)).spans)
+           for body in bodies[:4]):
+        raise RuntimeError("trace-id marker also occurs outside trace ids; pick another seed")
+    return Workload(bodies, [batch] * len(bodies), marker)
+
+
+# --- reference: decode only --------------------------------------------------------------------
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds spent busy (not idle, not waiting for I/O) by the whole machine, all cores together."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait; no guest
+
+
+def decode_rate(bodies: Sequence[bytes], min_seconds: float) -> tuple[float, float]:
+    """Spans/s of parse + validate + convert, one thread, at least one pass and ``min_seconds``.
+
+    Also returns how many cores other processes kept busy meanwhile: on a small
+    (often hyperthreaded) machine they can slow this loop down a lot.
+    """
+    spans = 0
+    busy0, cpu0 = _machine_busy_seconds(), time.process_time()
+    started = time.perf_counter()
+    while True:
+        for body in bodies:
+            decoded = decode_spans(ExportTraceServiceRequest.FromString(body))
+            if decoded.rejected:
+                raise RuntimeError(f"generated spans rejected: {decoded.error_message}")
+            spans += len(decoded.spans)
+        elapsed = time.perf_counter() - started
+        if elapsed >= min_seconds:
+            others = (_machine_busy_seconds() - busy0 - (time.process_time() - cpu0)) / elapsed
+            return spans / elapsed, max(others, 0.0)
+
+
+# --- load generator (runs in its own processes) ------------------------------------------------
+
+
+@dataclass(slots=True)
+class SenderResult:
+    acked_spans: int = 0  # all phases, for the stored >= acknowledged check
+    measured_spans: int = 0  # acknowledged inside [measure_at, end_at)
+    calls: int = 0
+    retries: int = 0
+    rejected_spans: int = 0
+    cpu_seconds: float = 0.0  # over the measured interval
+    latencies_ms: list[float] = field(default_factory=list)  # per acknowledged call, measured interval
+    error: str = ""
+
+
+def _rounds(workload: Workload) -> Iterator[tuple[bytes, int]]:
+    """The requests forever; each round with fresh trace ids (random prefix: unique across processes)."""
+    while True:
+        marker = os.urandom(MARKER_BYTES)
+        for body, n in zip(workload.bodies, workload.spans_per_body, strict=True):
+            yield body.replace(workload.marker, marker), n
+
+
+async def _send(endpoint: str, workload: Workload, inflight: int, measure_at: float, end_at: float,
+                offset: int) -> SenderResult:
+    import grpc  # only the sender processes need a client
+
+    result = SenderResult()
+    bodies = _rounds(workload)
+    for _ in range(offset % len(workload.bodies)):  # processes start at different requests
+        next(bodies)
+    cpu_marks: list[float] = []
+
+    async def cpu_clock() -> None:
+        for at in (measure_at, end_at):
+            await asyncio.sleep(max(at - time.time(), 0.0))
+            cpu_marks.append(time.process_time())
+
+    async with grpc.aio.insecure_channel(endpoint, options=[("grpc.max_send_message_length", -1)]) as channel:
+        # No request serializer: the pre-encoded bytes go out as they are.
+        export = channel.unary_unary(EXPORT_METHOD, request_serializer=None,
+                                     response_deserializer=ExportTraceServiceResponse.FromString)
+        await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_SECONDS)
+
+        async def worker() -> None:
+            while time.time() < end_at:
+                body, n = next(bodies)
+                sent = time.perf_counter()
+                while True:
+                    try:
+                        response = await export(body, timeout=CALL_TIMEOUT_SECONDS)
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                            raise
+                        result.retries += 1
+                        if time.time() >= end_at + CALL_TIMEOUT_SECONDS:
+                            raise
+                        await asyncio.sleep(RETRY_PAUSE_SECONDS)
+                done = time.time()
+                rejected = response.partial_success.rejected_spans
+                result.calls += 1
+                result.rejected_spans += rejected
+                result.acked_spans += n - rejected
+                if measure_at <= done < end_at:
+                    result.measured_spans += n - rejected
+                    result.latencies_ms.append((time.perf_counter() - sent) * 1000)
+
+        clock = asyncio.create_task(cpu_clock())
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing sender stops the others
+                for _ in range(inflight):
+                    group.create_task(worker())
+        except* Exception as failed:
+            exc = failed.exceptions[0]
+            result.error = f"{exc.__class__.__name__}: {exc}"
+        await clock
+    result.cpu_seconds = cpu_marks[1] - cpu_marks[0]
+    return result
+
+
+def _sender_process(conn: Connection, endpoint: str, workload: Workload, inflight: int, measure_at: float,
+                    end_at: float, offset: int) -> None:
+    try:
+        result = asyncio.run(_send(endpoint, workload, inflight, measure_at, end_at, offset))
+    except Exception as exc:  # reported to the parent, which fails the benchmark
+        result = SenderResult(error=f"{exc.__class__.__name__}: {exc}")
+    conn.send(result)
+    conn.close()
+
+
+# --- the collector under test ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class Collector:
+    """``spikehound collector`` as a child process on free loopback ports."""
+
+    def __init__(self, db_url: str, workdir: Path) -> None:
+        self.db_url = db_url
+        self.log_path = workdir / "collector.log"
+        self.api_port, self.grpc_port, self.http_port = _free_port(), _free_port(), _free_port()
+        self.env = {**os.environ, "SPIKEHOUND_DATA_DIR": str(workdir)}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [exe, "collector", "--db", self.db_url, "--api", f"127.0.0.1:{self.api_port}",
+                 "--otlp-grpc", self.grpc_endpoint, "--otlp-http", f"127.0.0.1:{self.http_port}"],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.api_port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"collector not ready in {START_TIMEOUT_SECONDS:.0f} s:\n{self.log_tail()}")
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"collector exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def stored_spans(self) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.api_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        match = re.search(r'^spikehound_ingest_stored_total\{signal="spans"\} (\S+)$', text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _count_span_rows(db_url: str) -> int | None:
+    """Rows in the spans table (None when it cannot be read, e.g. no schema yet)."""
+    from sqlalchemy import text
+
+    from storage.engine import make_engine
+
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM spans")).scalar_one())
+    except Exception:
+        return None
+    finally:
+        engine.dispose()
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Results:
+    db: str
+    senders: int
+    processes: int
+    batch: int
+    warmup_s: float
+    seconds: float
+    workload_requests: int
+    workload_bytes_per_span: float
+    reference_spans_per_s: float
+    other_cores_reference: float  # other processes' load while the reference ran
+    ingest_spans_per_s: float = 0.0
+    collector_side_spans_per_s: float = 0.0
+    ratio_ingest_decode: float = 0.0
+    collector_cores: float = 0.0
+    collector_cpu_us_per_span: float = 0.0  # CPU time per stored span: less sensitive to a busy machine
+    load_generator_cores: float = 0.0
+    other_cores: float = 0.0  # everything else busy on the machine meanwhile (noise in the figure)
+    machine_cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    acked_spans: int = 0
+    stored_spans_metric: int = 0
+    span_rows: int | None = None
+    rejected_spans: int = 0
+    retries: int = 0
+    calls: int = 0
+    latency_ms_p50: float = 0.0
+    latency_ms_p99: float = 0.0
+    target_spans_per_s: int = TARGET_SPANS_PER_SECOND
+    passed: bool = False
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(max(math.ceil(q * len(ordered)) - 1, 0), len(ordered) - 1)] if ordered else 0.0
+
+
+def run(args: argparse.Namespace) -> tuple[Results, list[str]]:
+    """The whole benchmark; returns the results and the reasons it failed (empty when it did not)."""
+    failures: list[str] = []
+    processes = max(1, min(args.processes or min(2, args.senders), args.senders))
+    started = time.perf_counter()
+    workload = make_workload(args.requests, args.batch)
+    print(f"workload: {len(workload.bodies)} requests x {args.batch} spans, "
+          f"{workload.size_bytes / workload.spans:.0f} bytes/span encoded, "
+          f"built in {time.perf_counter() - started:.1f} s", flush=True)
+    reference, reference_others = decode_rate(workload.bodies, args.reference_seconds)
+    print(f"reference decode: {reference:,.0f} spans/s", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="spikehound-bench-") as tmp:
+        workdir = Path(tmp)
+        db_url = args.db or f"sqlite:///{workdir / 'bench.db'}"
+        rows_before = (_count_span_rows(db_url) or 0) if args.db else 0
+        collector = Collector(db_url, workdir)
+        collector.start()
+        res = Results(db=db_url.split("://", 1)[0], senders=args.senders, processes=processes, batch=args.batch,
+                      warmup_s=args.warmup, seconds=args.seconds, workload_requests=len(workload.bodies),
+                      workload_bytes_per_span=round(workload.size_bytes / workload.spans, 1),
+                      reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2))
+        try:
+            _load(args, res, workload, collector, processes, failures)
+        finally:
+            code = collector.stop()
+        if code not in (0, None) and not failures:
+            failures.append(f"collector exited with {code}:\n{collector.log_tail()}")
+        rows = _count_span_rows(db_url)
+        if rows is not None:
+            res.span_rows = rows - rows_before
+            if res.span_rows < res.acked_spans:
+                failures.append(f"only {res.span_rows:,} span rows stored for {res.acked_spans:,} acknowledged")
+    res.ratio_ingest_decode = round(res.ingest_spans_per_s / reference, 3) if reference else 0.0
+    res.passed = res.ingest_spans_per_s >= TARGET_SPANS_PER_SECOND
+    return res, failures
+
+
+def _sample(collector: Collector) -> tuple[float, float, float, float]:
+    """Stored spans, collector CPU seconds, machine busy seconds, wall time: now."""
+    return collector.stored_spans(), _cpu_seconds(collector.pid), _machine_busy_seconds(), time.time()
+
+
+def _wait_until(at: float, collector: Collector) -> None:
+    """Sleep until wall time ``at``; raise at once if the collector dies meanwhile."""
+    while (left := at - time.time()) > 0:
+        time.sleep(min(left, 0.25))
+        collector.check_alive()
+
+
+def _load(args: argparse.Namespace, res: Results, workload: Workload, collector: Collector, processes: int,
+          failures: list[str]) -> None:
+    ctx = multiprocessing.get_context("spawn")  # no inherited grpc state; each sender starts clean
+    measure_at = time.time() + args.startup + args.warmup
+    end_at = measure_at + args.seconds
+    per_process = [args.senders // processes + (i < args.senders % processes) for i in range(processes)]
+    pipes: list[Connection] = []
+    procs = []
+    for i, inflight in enumerate(per_process):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_sender_process, name=f"bench-sender-{i}",
+                        args=(child, collector.grpc_endpoint, workload, inflight, measure_at, end_at,
+                              i * len(workload.bodies) // processes))
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    print(f"load: {args.senders} concurrent export calls in {processes} sender process(es) "
+          f"{per_process}, warm-up {args.warmup:g} s, measuring {args.seconds:g} s", flush=True)
+
+    try:
+        _wait_until(measure_at, collector)
+        stored0, cpu0, busy0, t0 = _sample(collector)
+        _wait_until(end_at, collector)
+        stored1, cpu1, busy1, t1 = _sample(collector)
+    except BaseException:
+        for p in procs:  # the senders would otherwise retry against a dead collector for a minute
+            p.kill()
+        raise
+    res.collector_side_spans_per_s = round((stored1 - stored0) / (t1 - t0))
+    res.collector_cores = round((cpu1 - cpu0) / (t1 - t0), 2)
+    if stored1 > stored0:
+        res.collector_cpu_us_per_span = round((cpu1 - cpu0) / (stored1 - stored0) * 1e6, 1)
+
+    results: list[SenderResult] = []
+    for pipe, p in zip(pipes, procs, strict=True):
+        if pipe.poll(CALL_TIMEOUT_SECONDS * 2):
+            results.append(pipe.recv())
+        else:
+            failures.append(f"{p.name} sent no result")
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    collector.check_alive()
+    failures += [f"sender: {r.error}" for r in results if r.error]
+    res.acked_spans = sum(r.acked_spans for r in results)
+    res.ingest_spans_per_s = round(sum(r.measured_spans for r in results) / args.seconds)
+    res.load_generator_cores = round(sum(r.cpu_seconds for r in results) / args.seconds, 2)
+    res.other_cores = round(max((busy1 - busy0) / (t1 - t0) - res.collector_cores - res.load_generator_cores, 0.0), 2)
+    res.rejected_spans = sum(r.rejected_spans for r in results)
+    res.retries = sum(r.retries for r in results)
+    res.calls = sum(r.calls for r in results)
+    latencies = [x for r in results for x in r.latencies_ms]
+    res.latency_ms_p50 = round(_percentile(latencies, 0.50), 1)
+    res.latency_ms_p99 = round(_percentile(latencies, 0.99), 1)
+    res.stored_spans_metric = int(collector.stored_spans())
+    if res.stored_spans_metric < res.acked_spans:
+        failures.append(f"collector stored {res.stored_spans_metric:,} spans but acknowledged {res.acked_spans:,}")
+    if res.rejected_spans:
+        failures.append(f"{res.rejected_spans:,} generated spans were rejected as invalid")
+    if not res.ingest_spans_per_s:
+        failures.append("no span was acknowledged in the measured interval")
+
+
+def report(res: Results) -> str:
+    setup = f"{res.senders} concurrent senders in {res.processes} process(es), {res.batch}-span batches"
+    db = "SQLite" if res.db == "sqlite" else "PostgreSQL"
+    rows = f", {res.span_rows:,} span rows" if res.span_rows is not None else ""
+    lines = [
+        f"ingest (OTLP/gRPC -> {db}, detectors on, {setup}): {res.ingest_spans_per_s:,.0f} spans/s  "
+        f"(collector used {res.collector_cores:.2f} cores, load generator {res.load_generator_cores:.2f})",
+        f"reference: protobuf decode + validation only, 1 thread: {res.reference_spans_per_s:,.0f} spans/s",
+        f"ratio ingest/decode: {res.ratio_ingest_decode:.2f}   target >= {res.target_spans_per_s:,} spans/s: "
+        f"{'PASS' if res.passed else 'BELOW TARGET'}",
+        f"check: acknowledged {res.acked_spans:,} spans (warm-up included), collector stored_total "
+        f"{res.stored_spans_metric:,}{rows}; collector-side rate {res.collector_side_spans_per_s:,.0f} spans/s, "
+        f"{res.collector_cpu_us_per_span:.1f} us collector CPU per span",
+        f"calls: {res.calls:,} acknowledged, {res.retries:,} retried (RESOURCE_EXHAUSTED/UNAVAILABLE), "
+        f"latency p50 {res.latency_ms_p50:.1f} ms, p99 {res.latency_ms_p99:.1f} ms",
+        f"machine: {res.machine_cores} cores; other processes kept {res.other_cores:.2f} cores busy during the "
+        f"ingest run, {res.other_cores_reference:.2f} during the reference"
+        + ("  (busy machine: figures are low)" if max(res.other_cores, res.other_cores_reference) >= 0.2 else ""),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ingest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=20.0, help="measured interval (default 20)")
+    p.add_argument("--warmup", type=float, default=3.0, help="load before measuring starts (default 3)")
+    p.add_argument("--senders", type=int, default=4,
+                   help="concurrent export calls in flight, like that many exporting processes (default 4)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="load-generator processes the senders are spread over (default min(2, senders))")
+    p.add_argument("--batch", type=int, default=512, help="spans per export request (default 512)")
+    p.add_argument("--requests", type=int, default=64,
+                   help="distinct pre-encoded requests, replayed with fresh trace ids (default 64)")
+    p.add_argument("--db", default="", help="database URL (default: SQLite in a temporary directory); a "
+                   "postgresql:// URL works too (the spans are added to what it holds)")
+    p.add_argument("--reference-seconds", type=float, default=3.0, help="length of the decode-only run")
+    p.add_argument("--startup", type=float, default=2.0, help="seconds allowed for the senders to connect")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
+    args = p.parse_args(argv)
+    if min(args.seconds, args.senders, args.batch, args.requests) <= 0 or args.warmup < 0:
+        p.error("--seconds, --senders, --batch and --requests must be positive, --warmup not negative")
+
+    try:
+        res, failures = run(args)
+    except RuntimeError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print(report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(res), indent=2) + "\n")
+    for failure in failures:
+        print(f"benchmark failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""REST API behaviour a user notices: errors that say what is wrong, tokens, health, documentation."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from collector.api import make_api
+from spikehound.model import Cause, CauseKind, Span, SpanKind, Spike, StatusCode
+from spikehound.otlp import encode_spans
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.writer import WriteBatch, Writer
+from tests.daemons import CollectorThread, collector_config
+
+
+def one_span_request(service: str = "svc") -> tuple[ExportTraceServiceRequest, str]:
+    now = time.time_ns()
+    span = Span(trace_id=os.urandom(16), span_id=os.urandom(8), parent_span_id=None, service=service, host="h",
+                name="GET /", kind=SpanKind.SERVER, start_unix_nano=now - 1_000_000, end_unix_nano=now,
+                status=StatusCode.OK, attributes={"k": "v"})
+    return encode_spans([span]), span.trace_id.hex()
+
+
+@pytest.mark.parametrize(("path", "status", "needle"), [
+    ("/api/v1/traces/xyz", 400, "32 hex digits"),
+    ("/api/v1/traces/" + "ab" * 16, 404, "not found"),
+    ("/api/v1/latency", 400, "service is required"),
+    ("/api/v1/latency?service=a&since=yesterday", 400, "since"),
+    ("/api/v1/latency?service=a&since=2026-01-02T00:00:00Z&until=2026-01-01T00:00:00Z", 400, "before"),
+    ("/api/v1/latency?service=a&since=2026-01-01T00:00:00", 400, "time zone"),
+    ("/api/v1/metrics", 400, "host, name"),
+    ("/api/v1/spikes?state=sleeping", 400, "open or resolved"),
+    ("/api/v1/spikes?limit=0", 400, "limit"),
+    ("/api/v1/spikes/nope", 404, "not found"),
+])
+def test_bad_requests_say_what_is_wrong(sqlite_collector: CollectorThread, path: str, status: int, needle: str):
+    r = requests.get(sqlite_collector.api + path, timeout=5)
+    assert r.status_code == status
+    assert needle in r.json()["error"]
+
+
+def test_health_and_metrics(sqlite_collector: CollectorThread):
+    assert requests.get(f"{sqlite_collector.api}/healthz", timeout=5).json() == {"status": "ok"}
+    assert requests.get(f"{sqlite_collector.api}/readyz", timeout=5).status_code == 200
+    text = requests.get(f"{sqlite_collector.api}/metrics", timeout=5).text
+    for name in ("spikehound_ingest_received_total", "spikehound_ingest_queue_capacity",
+                 "spikehound_latency_late_spans_total", "spikehound_storage_write_seconds_bucket"):
+        assert name in text, name
+
+
+def test_openapi_documents_every_route(sqlite_collector: CollectorThread):
+    doc = requests.get(f"{sqlite_collector.api}/api/v1/openapi.json", timeout=5).json()
+    assert doc["openapi"].startswith("3.")
+    app = make_api(reader=None, telemetry=sqlite_collector.collector.telemetry, ready=None, token="")  # type: ignore[arg-type]
+    routes = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
+    assert routes - {"/api/v1/openapi.json"} == set(doc["paths"])
+    for schema in ("Span", "Spike", "Cause"):
+        assert schema in doc["components"]["schemas"]
+
+
+def test_spikes_are_served_in_the_brief_shape(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    trace = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
+    Writer(engine).write(WriteBatch(spikes=[Spike(
+        id="sp1", service="gateway", operation="POST /v1/predict", state="open", start_unix_nano=1_700_000_000 * 10**9,
+        end_unix_nano=None, p99_ns=250_000_000, baseline_p99_ns=40_000_000, exemplar_trace_ids=(trace,),
+        causes=(Cause(kind=CauseKind.NETWORK, score=0.8, summary="the gateway -> model-server hop added 170 ms",
+                      service="model-server", operation="POST /infer", peer_service="gateway", baseline=2.0,
+                      observed=172.0, unit="ms"),))]))
+    engine.dispose()
+    with CollectorThread(collector_config(url)) as c:
+        spikes = requests.get(f"{c.api}/api/v1/spikes", timeout=5).json()["spikes"]
+        one = requests.get(f"{c.api}/api/v1/spikes/sp1", timeout=5).json()
+    assert spikes == [one]
+    assert one == {
+        "id": "sp1", "service": "gateway", "operation": "POST /v1/predict", "state": "open",
+        "start": "2023-11-14T22:13:20Z", "end": None, "p99_ms": 250.0, "baseline_p99_ms": 40.0,
+        "exemplar_trace_ids": [trace.hex()],
+        "causes": [{"kind": "network", "service": "model-server", "operation": "POST /infer",
+                    "peer_service": "gateway", "host": None, "resource": None, "score": 0.8, "baseline": 2.0,
+                    "observed": 172.0, "unit": "ms", "summary": "the gateway -> model-server hop added 170 ms"}]}
+
+
+def test_tokens_guard_api_and_otlp(tmp_path: Path):
+    cfg = collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}", collector__api_token="api-secret",
+                           collector__otlp_token="otlp-secret")
+    with CollectorThread(cfg) as c:
+        assert requests.get(f"{c.api}/api/v1/services", timeout=5).status_code == 401
+        assert requests.get(f"{c.api}/metrics", timeout=5).status_code == 401
+        assert requests.get(f"{c.api}/healthz", timeout=5).status_code == 200  # probes need no token
+        ok = requests.get(f"{c.api}/api/v1/services", headers={"Authorization": "Bearer api-secret"}, timeout=5)
+        assert ok.status_code == 200
+
+        req, trace_id = one_span_request()
+        body = req.SerializeToString()
+        headers = {"Content-Type": "application/x-protobuf"}
+        assert requests.post(f"{c.http_endpoint}/v1/traces", data=body, headers=headers, timeout=5).status_code == 401
+        headers["Authorization"] = "Bearer otlp-secret"
+        assert requests.post(f"{c.http_endpoint}/v1/traces", data=body, headers=headers, timeout=5).status_code == 200
+
+        with grpc.insecure_channel(c.grpc_endpoint) as channel:
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Export(req, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stub.Export(one_span_request()[0], timeout=5, metadata=(("authorization", "Bearer otlp-secret"),))
+        assert c.metric("spikehound_ingest_rejected_requests_total", protocol="grpc", reason="unauthenticated") == 1
+        assert c.metric("spikehound_ingest_stored_total", signal="spans") == 2
+        trace = requests.get(f"{c.api}/api/v1/traces/{trace_id}", headers={"Authorization": "Bearer api-secret"},
+                             timeout=5)
+        assert trace.status_code == 200

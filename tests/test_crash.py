@@ -1,0 +1,179 @@
+"""An acknowledged span survives the collector being killed (SIGKILL) or stopped (SIGTERM) mid-ingest.
+
+The senders are two applications on the real OpenTelemetry SDK
+(BatchSpanProcessor + OTLP/gRPC exporter); a wrapper remembers every span of an
+export the collector answered with success. After the collector dies it is
+started again on the same database, and every one of those spans must be
+served by its API.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import requests
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from tests.daemons import CollectorProcess
+
+# CollectorProcess.start leaves its log file to the garbage collector; the fixture collects it under this filter.
+pytestmark = pytest.mark.slow
+
+MIN_ACKED = 400
+
+
+class AckRecorder(SpanExporter):
+    """Wraps the real exporter and keeps the (trace id, span id) of every span the collector acknowledged."""
+
+    def __init__(self, inner: OTLPSpanExporter) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._acked: set[tuple[str, str]] = set()
+        self.on_ack: Callable[[int], None] | None = None  # called right after a success, with the count so far
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = self.inner.export(spans)
+        with self._lock:
+            if result is SpanExportResult.SUCCESS:
+                self._acked.update((format(s.context.trace_id, "032x"), format(s.context.span_id, "016x"))
+                                   for s in spans)
+            count = len(self._acked)
+        if result is SpanExportResult.SUCCESS and self.on_ack is not None:
+            self.on_ack(count)
+        return result
+
+    @property
+    def acked(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return set(self._acked)
+
+    def shutdown(self) -> None:
+        pass  # SdkTraffic.stop shuts the real exporter down first
+
+
+class SdkTraffic:
+    """An application creating small traces as fast as it can, exported by the SDK in the background."""
+
+    def __init__(self, grpc_endpoint: str, service: str) -> None:
+        # A short timeout: with the collector gone an export gives up in about 2 s instead of retrying for long.
+        self.exporter = OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True, timeout=2)
+        self.recorder = AckRecorder(self.exporter)
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "crash-host"}))
+        self.provider.add_span_processor(BatchSpanProcessor(self.recorder, max_export_batch_size=256,
+                                                            schedule_delay_millis=50))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sdk-traffic", daemon=True)
+
+    def _run(self) -> None:
+        tracer = self.provider.get_tracer("crash-test")
+        while not self._stop.is_set():
+            with tracer.start_as_current_span("POST /predict", kind=trace.SpanKind.SERVER):
+                for step in ("tokenize", "forward", "detokenize"):
+                    with tracer.start_as_current_span(step):
+                        pass
+            time.sleep(0.002)
+
+    def start(self) -> SdkTraffic:
+        self._thread.start()
+        return self
+
+    def wait_acked(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.recorder.acked) < count:
+            assert time.monotonic() < deadline, f"only {len(self.recorder.acked)} spans acknowledged in {timeout} s"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.exporter.shutdown()  # an export retrying against a dead collector gives up now
+        self.provider.shutdown()
+
+
+@pytest.fixture
+def collector_process(db_url: str, tmp_path: Path) -> Iterator[CollectorProcess]:
+    proc = CollectorProcess(db_url, tmp_path)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def assert_all_stored(api: str, acked: set[tuple[str, str]]) -> None:
+    """Every acknowledged span is served by the API of the restarted collector."""
+    by_trace: dict[str, set[str]] = {}
+    for trace_id, span_id in acked:
+        by_trace.setdefault(trace_id, set()).add(span_id)
+    missing = 0
+    with requests.Session() as session:
+        for trace_id, span_ids in by_trace.items():
+            r = session.get(f"{api}/api/v1/traces/{trace_id}", timeout=10)
+            stored = {s["span_id"] for s in r.json()["spans"]} if r.status_code == 200 else set()
+            missing += len(span_ids - stored)
+    assert missing == 0, f"{missing} of {len(acked)} acknowledged spans are not in the database"
+
+
+def start_traffic(c: CollectorProcess) -> list[SdkTraffic]:
+    return [SdkTraffic(c.grpc_endpoint, "app-a").start(), SdkTraffic(c.grpc_endpoint, "app-b").start()]
+
+
+def stop_traffic(apps: list[SdkTraffic]) -> set[tuple[str, str]]:
+    """Stop both applications and return every span the collector acknowledged."""
+    for app in apps:
+        app.stop()
+    return set().union(*(app.recorder.acked for app in apps))
+
+
+def test_sigkill_loses_no_acknowledged_span(collector_process: CollectorProcess):
+    c = collector_process.start()
+    assert c.proc is not None
+    killed = threading.Event()
+
+    def kill_once_enough(count: int) -> None:
+        # Right after an acknowledgement, while the other application's export is in flight:
+        # the worst moment for a collector that answers before its commit is durable.
+        if count >= MIN_ACKED and not killed.is_set():
+            c.proc.send_signal(signal.SIGKILL)
+            killed.set()
+
+    apps = start_traffic(c)
+    try:
+        apps[0].recorder.on_ack = kill_once_enough
+        assert killed.wait(30), f"only {len(apps[0].recorder.acked)} spans acknowledged in 30 s"
+        assert c.proc.wait(10) == -signal.SIGKILL
+    finally:
+        acked = stop_traffic(apps)
+    assert len(acked) > 200
+    assert all(app.recorder.acked for app in apps)
+
+    c.start()
+    assert_all_stored(c.api, acked)
+    assert c.terminate(15) == 0, c.log_tail()
+
+
+def test_sigterm_exits_cleanly_and_keeps_every_acknowledged_span(collector_process: CollectorProcess):
+    c = collector_process.start()
+    apps = start_traffic(c)
+    try:
+        for app in apps:
+            app.wait_acked(MIN_ACKED // 2)
+        started = time.monotonic()
+        status = c.terminate(15)  # raises TimeoutExpired past 15 s
+        assert status == 0, c.log_tail()
+        assert time.monotonic() - started < 15
+    finally:
+        acked = stop_traffic(apps)
+    assert len(acked) > 200
+
+    c.start()
+    assert_all_stored(c.api, acked)
+    assert c.terminate(15) == 0, c.log_tail()

@@ -1,0 +1,175 @@
+"""The dependency rules of the layout (design brief, section 2), read from the imports; and the doctests."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("spikehound", "agent", "collector", "detectors", "storage")
+OURS = frozenset(PACKAGES)
+
+# Standard-library modules that do I/O, talk to the network, run concurrently or read a clock.
+IO_MODULES = frozenset({
+    "os", "io", "pathlib", "shutil", "tempfile", "glob", "socket", "socketserver", "ssl", "select", "selectors",
+    "asyncio", "threading", "multiprocessing", "concurrent", "subprocess", "signal", "time", "sched", "sqlite3",
+    "dbm", "shelve", "http", "urllib", "ftplib", "smtplib", "imaplib", "poplib", "xmlrpc", "webbrowser", "mmap",
+    "fcntl", "resource",
+    # third-party I/O, named so that the message says why
+    "sqlalchemy", "alembic", "psycopg", "aiohttp", "grpc", "requests", "prometheus_client", "pynvml", "psutil",
+})
+# Pure computation libraries a detector may use.
+PURE_LIBRARIES = frozenset({"river", "numpy"})
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_our_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def source_files(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+
+
+def imports_of(path: Path) -> Iterator[tuple[str, int]]:
+    """Every module ``path`` imports, anywhere in the file (functions too), as (dotted name, line)."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                candidate = f"{source}.{alias.name}"
+                # `from storage import schema` imports the module storage.schema
+                yield (candidate if source.split(".")[0] in OURS and is_our_module(candidate) else source), node.lineno
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            yield node.args[0].value, node.lineno
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def violations(packages: tuple[str, ...], allowed: object, *, skip: tuple[str, ...] = ()) -> list[str]:
+    found = []
+    for path in source_files(*packages):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in skip:
+            continue
+        for name, line in imports_of(path):
+            reason = allowed(name)  # type: ignore[operator]
+            if reason:
+                found.append(f"{rel}:{line} imports {name}: {reason}")
+    return found
+
+
+def test_the_import_reader_sees_function_level_and_relative_imports():
+    imports = {name for name, _ in imports_of(ROOT / "spikehound" / "cli.py")}
+    assert {"collector.daemon", "storage.migrate", "storage.engine", "spikehound.config"} <= imports
+    assert "storage.schema" in {name for name, _ in imports_of(ROOT / "storage" / "migrations" / "env.py")}
+    assert len(source_files(*PACKAGES)) >= 20
+
+
+def test_the_core_imports_no_component_except_from_the_cli():
+    def rule(name: str) -> str | None:
+        if top(name) in ("agent", "collector", "detectors", "storage"):
+            return "the core (spikehound/) must not know the components; only spikehound/cli.py may"
+        return None
+
+    assert violations(("spikehound",), rule, skip=("spikehound/cli.py",)) == []
+
+
+def test_detectors_are_pure_computation_on_the_core_model():
+    def rule(name: str) -> str | None:
+        if top(name) == "detectors" or name == "spikehound.model" or name.startswith("spikehound.model."):
+            return None
+        if top(name) in IO_MODULES:
+            return "detectors do no I/O, networking, storage or clock reading"
+        if top(name) in OURS:
+            return "detectors know only the core model (spikehound.model)"
+        if top(name) in PURE_LIBRARIES or top(name) in sys.stdlib_module_names:
+            return None
+        return "not a pure computation library"
+
+    assert violations(("detectors",), rule) == []
+
+
+def test_detectors_never_read_a_clock():
+    clocks = {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "process_time",
+              "now", "utcnow", "today"}
+    clock_owners = {"time", "datetime", "date", "dt", "loop"}
+    found = []
+    for path in source_files("detectors"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr in clocks):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in clock_owners:
+                found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} reads a clock ({name}.{node.attr})")
+    assert found == [], "time comes in with the data"
+
+
+def test_storage_knows_the_core_model_and_sqlalchemy_only():
+    def rule(name: str) -> str | None:
+        if top(name) == "storage" or name == "spikehound":
+            return None
+        if top(name) == "spikehound":
+            return None if name.startswith(("spikehound.model", "spikehound.otlp")) else (
+                "storage knows only the core model and its OTLP conversion")
+        if top(name) in OURS:
+            return "storage must not know the other components"
+        if top(name) in ("sqlalchemy", "alembic", "orjson", "psycopg") or top(name) in sys.stdlib_module_names:
+            return None
+        return "storage depends on SQLAlchemy, Alembic and orjson only"
+
+    assert violations(("storage",), rule) == []
+
+
+def test_the_agent_talks_to_the_collector_over_otlp_only():
+    def rule(name: str) -> str | None:
+        if top(name) in ("collector", "detectors", "storage"):
+            return "the agent talks to the collector over OTLP only"
+        return None
+
+    assert violations(("agent",), rule) == []
+
+
+# --- doctests ---------------------------------------------------------------------------------
+
+DOCTESTED = ("spikehound", "detectors", "storage", "collector")
+DOCTEST_MODULES = sorted(module_name(p) for p in source_files(*DOCTESTED) if ">>>" in p.read_text())
+
+
+def test_the_doctested_modules_are_found():
+    assert {"spikehound.config", "spikehound.model", "spikehound.timefmt", "spikehound.otlp",
+            "storage.engine"} <= set(DOCTEST_MODULES)
+
+
+@pytest.mark.parametrize("name", DOCTEST_MODULES)
+def test_doctests(name):
+    result = doctest.testmod(importlib.import_module(name))
+
+    assert result.attempted > 0
+    assert result.failed == 0, f"{result.failed} doctest example(s) of {name} failed (the report is above)"

@@ -1,0 +1,586 @@
+"""Storage on SQLite and PostgreSQL: migrations, the writer/reader round trip, failures, retention, indexes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy.exc
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1 import trace_pb2
+from sqlalchemy import Engine, event
+
+from spikehound.model import (
+    Cause,
+    CauseKind,
+    LatencyWindow,
+    MetricKind,
+    MetricPoint,
+    Span,
+    SpanKind,
+    Spike,
+    StatusCode,
+)
+from spikehound.otlp import decode_spans, set_any_value
+from storage import retention
+from storage.engine import make_engine
+from storage.migrate import current_revision, head_revision, upgrade
+from storage.reader import HostSummary, MetricSeries, Reader, count_rows
+from storage.retention import RetentionResult, expire
+from storage.schema import metadata
+from storage.writer import WriteBatch, Writer
+
+MS = 1_000_000
+S = 1_000_000_000
+DAY_S = 86_400
+T0 = 1_700_000_000 * S  # event time of the test data
+NOW = 1_750_000_000 * S  # arrival (wall clock) of the test data
+FOREVER = 2**62
+
+
+def tid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def sid(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def make_span(trace: int, span: int, parent: int | None = None, *, service: str = "gateway", host: str | None = "gpu-1",
+              name: str = "POST /predict", kind: SpanKind = SpanKind.SERVER, start: int = T0, duration: int = 5 * MS,
+              status: StatusCode = StatusCode.UNSET, attributes: dict[str, Any] | None = None,
+              events: list[dict[str, Any]] | None = None, resource: dict[str, Any] | None = None) -> Span:
+    return Span(trace_id=tid(trace), span_id=sid(span), parent_span_id=sid(parent) if parent else None,
+                service=service, host=host, name=name, kind=kind, start_unix_nano=start,
+                end_unix_nano=start + duration, status=status, attributes=attributes or {}, events=events or [],
+                resource=resource or {})
+
+
+def view(s: Span) -> tuple[Any, ...]:
+    """Everything the API shows of a span."""
+    return (s.trace_id, s.span_id, s.parent_span_id, s.service, s.host, s.name, s.kind, s.start_unix_nano,
+            s.end_unix_nano, s.duration_ns, s.status, s.attributes, s.events, s.resource)
+
+
+def point(t: int, value: float, *, host: str = "gpu-1", name: str = "hw.gpu.utilization",
+          attributes: dict[str, Any] | None = None, unit: str = "1") -> MetricPoint:
+    return MetricPoint(host=host, name=name, attributes=attributes if attributes is not None else {"hw.id": "GPU-0"},
+                       time_unix_nano=t, value=value, kind=MetricKind.GAUGE, unit=unit)
+
+
+def window(start: int, p99_ms: float, *, service: str = "gateway", operation: str = "POST /predict",
+           count: int = 100) -> LatencyWindow:
+    p99 = int(p99_ms * MS)
+    return LatencyWindow(service=service, operation=operation, start_unix_nano=start, end_unix_nano=start + 10 * S,
+                         count=count, p50_ns=p99 // 4, p95_ns=p99 // 2, p99_ns=p99, max_ns=p99 + MS)
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url)
+    upgrade(eng)
+    yield eng
+    eng.dispose()
+
+
+# --- migrations -------------------------------------------------------------------------------
+
+
+def test_upgrade_reaches_head_is_idempotent_and_matches_the_schema(db_url):
+    eng = make_engine(db_url)
+    try:
+        assert current_revision(eng) is None
+        assert head_revision() is not None
+        assert upgrade(eng) == head_revision()
+        Writer(eng).write(WriteBatch(spans=[make_span(1, 1)]), now_ns=NOW)
+
+        assert upgrade(eng) == head_revision()  # running it again (every collector start does) changes nothing
+        assert current_revision(eng) == head_revision()
+        assert [s.span_id for s in Reader(eng).trace(tid(1))] == [sid(1)]
+
+        with eng.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"compare_type": True})
+            assert compare_metadata(context, metadata) == []
+    finally:
+        eng.dispose()
+
+
+# --- spans ------------------------------------------------------------------------------------
+
+
+def test_spans_built_in_code_round_trip_with_attributes_events_and_resource(engine):
+    root = make_span(1, 1, status=StatusCode.OK, resource={"service.version": "1.2.3", "k8s.pod.name": "gw-0"},
+                     attributes={"http.route": "/predict", "http.response.status_code": 200, "ratio": 0.25,
+                                 "cached": False, "tags": ["a", "b"], "labels": {"team": "ml"}})
+    child = make_span(1, 2, 1, service="model", host="gpu-2", name="forward", kind=SpanKind.INTERNAL,
+                      start=T0 + 1 * MS, duration=3 * MS, status=StatusCode.ERROR, attributes={"gpu.index": 0},
+                      events=[{"name": "exception", "time_unix_nano": T0 + 2 * MS,
+                               "attributes": {"exception.type": "RuntimeError", "exception.message": "CUDA OOM"}}],
+                      resource={"service.version": "9"})
+    client = make_span(1, 3, 1, service="gateway", host=None, name="GET features", kind=SpanKind.CLIENT,
+                       start=T0 + 500_000, duration=400_000, resource={"service.version": "1.2.3",
+                                                                       "k8s.pod.name": "gw-0"})
+    elsewhere = make_span(2, 9)
+    Writer(engine).write(WriteBatch(spans=[child, elsewhere, client, root]), now_ns=NOW)
+
+    got = Reader(engine).trace(tid(1))
+
+    assert [view(s) for s in got] == [view(s) for s in (root, client, child)]  # ordered by start time
+    assert got[2].events[0]["attributes"]["exception.message"] == "CUDA OOM"
+    assert Reader(engine).trace(tid(3)) == []
+
+
+def _otlp_request() -> tuple[ExportTraceServiceRequest, list[trace_pb2.Span]]:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    for key, value in {"service.name": "gateway", "host.name": "gpu-7", "service.version": "2.0",
+                       "telemetry.sdk.language": "python"}.items():
+        set_any_value(rs.resource.attributes.add(key=key).value, value)
+    spans = rs.scope_spans.add(scope={"name": "test"}).spans
+    root = spans.add(trace_id=tid(5), span_id=sid(1), name="POST /predict", kind=trace_pb2.Span.SPAN_KIND_SERVER,
+                     start_time_unix_nano=T0, end_time_unix_nano=T0 + 20 * MS, trace_state="vendor=x")
+    root.status.code = trace_pb2.Status.STATUS_CODE_ERROR
+    root.status.message = "upstream timed out"
+    for key, value in {"http.request.method": "POST", "retries": 3, "latency.budget": 0.5, "sampled": True,
+                       "model.inputs": ["text", "image"], "payload": b"\x01\xff"}.items():
+        set_any_value(root.attributes.add(key=key).value, value)
+    ev = root.events.add(name="queue.wait", time_unix_nano=T0 + MS)
+    set_any_value(ev.attributes.add(key="depth").value, 7)
+    root.links.add(trace_id=tid(77), span_id=sid(7))
+    child = spans.add(trace_id=tid(5), span_id=sid(2), parent_span_id=sid(1), name="tokenize",
+                      kind=trace_pb2.Span.SPAN_KIND_UNSPECIFIED, start_time_unix_nano=T0 + MS,
+                      end_time_unix_nano=T0 + 4 * MS)
+    return req, [root, child]
+
+
+def test_spans_decoded_from_otlp_round_trip_keeping_the_whole_message(engine):
+    req, sent = _otlp_request()
+    decoded = decode_spans(req).spans
+    Writer(engine).write(WriteBatch(spans=decoded), now_ns=NOW)
+
+    root, child = Reader(engine).trace(tid(5))
+
+    assert (root.service, root.host, root.name, root.kind, root.status) == (
+        "gateway", "gpu-7", "POST /predict", SpanKind.SERVER, StatusCode.ERROR)
+    assert (root.parent_span_id, root.start_unix_nano, root.duration_ns) == (None, T0, 20 * MS)
+    assert root.resource == {"service.version": "2.0", "telemetry.sdk.language": "python"}
+    assert root.attributes == {"http.request.method": "POST", "retries": 3, "latency.budget": 0.5,
+                               "sampled": True, "model.inputs": ["text", "image"], "payload": "01ff"}
+    assert root.events == [{"name": "queue.wait", "time_unix_nano": T0 + MS, "attributes": {"depth": 7}}]
+    assert (child.parent_span_id, child.kind, child.status, child.attributes) == (
+        sid(1), SpanKind.INTERNAL, StatusCode.UNSET, {})
+    # Links, trace state and the status message are not shown by the API yet, but nothing is thrown away.
+    assert [trace_pb2.Span.FromString(s.raw) for s in (root, child)] == sent
+    assert [view(s) for s in (root, child)] == [view(s) for s in decoded]
+
+
+def test_a_retried_batch_stores_each_span_once(engine):
+    spans = [make_span(1, 1), make_span(1, 2, 1, name="forward"), make_span(2, 1)]
+    batch = WriteBatch(spans=spans, points=[point(T0, 0.5)])
+    writer = Writer(engine)
+    writer.write(batch, now_ns=NOW)
+    writer.write(batch, now_ns=NOW + S)  # the sender never saw the answer and sent it again
+    Writer(engine).write(batch, now_ns=NOW + 2 * S)  # ... to a restarted collector, with empty caches
+
+    reader = Reader(engine)
+    assert [s.span_id for s in reader.trace(tid(1))] == [sid(1), sid(2)]
+    assert count_rows(engine, "spans") == 3
+    assert [(service, sorted(ops)) for service, ops in reader.services()] == [("gateway", ["POST /predict", "forward"])]
+    series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
+    assert [s.points for s in series] == [((T0, 0.5),)]
+
+
+def test_services_list_every_operation_once(engine):
+    writer = Writer(engine)
+    writer.write(WriteBatch(spans=[make_span(1, 1, service="model", name="forward"),
+                                   make_span(1, 2, service="gateway", name="POST /predict"),
+                                   make_span(2, 1, service="model", name="forward")]), now_ns=NOW)
+    writer.write(WriteBatch(spans=[make_span(3, 1, service="model", name="load")]), now_ns=NOW)
+
+    assert Reader(engine).services() == [("gateway", ["POST /predict"]), ("model", ["forward", "load"])]
+
+
+# --- metrics and hosts ------------------------------------------------------------------------
+
+
+def test_metric_points_round_trip_by_host_name_and_time(engine):
+    points = ([point(T0 + i * S, i / 10) for i in range(10)]
+              + [point(T0 + i * S, 1 - i / 10, attributes={"hw.id": "GPU-1"}) for i in range(10)]
+              + [point(T0 + i * S, 0.3, name="system.cpu.utilization", attributes={}) for i in range(3)]
+              + [point(T0, 42.0, host="gpu-2", name="system.cpu.utilization", attributes={"cpu.mode": "user"},
+                       unit="%")])
+    Writer(engine).write(WriteBatch(points=points), now_ns=NOW)
+    reader = Reader(engine)
+
+    series, truncated = reader.metrics("gpu-1", "hw.gpu.utilization", T0, T0 + 10 * S)
+    assert not truncated
+    assert [(s.host, s.name, s.attributes, s.unit) for s in series] == [
+        ("gpu-1", "hw.gpu.utilization", {"hw.id": "GPU-0"}, "1"),
+        ("gpu-1", "hw.gpu.utilization", {"hw.id": "GPU-1"}, "1")]
+    assert series[0].points == tuple((T0 + i * S, i / 10) for i in range(10))
+
+    series, _ = reader.metrics("gpu-1", "hw.gpu.utilization", T0 + 2 * S, T0 + 5 * S)  # since <= t < until
+    assert [[t for t, _ in s.points] for s in series] == [[T0 + 2 * S, T0 + 3 * S, T0 + 4 * S]] * 2
+
+    series, _ = reader.metrics(None, "system.cpu.utilization", 0, FOREVER)
+    assert series == [
+        MetricSeries("gpu-1", "system.cpu.utilization", {}, "1", tuple((T0 + i * S, 0.3) for i in range(3))),
+        MetricSeries("gpu-2", "system.cpu.utilization", {"cpu.mode": "user"}, "%", ((T0, 42.0),))]
+
+    series, _ = reader.metrics("gpu-2", None, 0, FOREVER)
+    assert [s.name for s in series] == ["system.cpu.utilization"]
+    assert reader.metrics("gpu-3", None, 0, FOREVER) == ([], False)
+    assert reader.metrics("gpu-1", None, T0 + 100 * S, FOREVER) == ([], False)
+
+
+def test_metric_queries_stop_at_max_points_and_say_so(engine):
+    points = ([point(T0 + i * S, float(i)) for i in range(10)]
+              + [point(T0 + i * S, float(i), attributes={"hw.id": "GPU-1"}) for i in range(10)]
+              # A third series whose only sample lies outside the range asked for.
+              + [point(T0 - 100 * S, 1.0, attributes={"hw.id": "GPU-2"})])
+    Writer(engine).write(WriteBatch(points=points), now_ns=NOW)
+    reader = Reader(engine)
+
+    series, truncated = reader.metrics("gpu-1", None, T0, FOREVER, max_points=15)
+    assert truncated
+    assert [len(s.points) for s in series] == [10, 5]
+    assert series[1].points == tuple((T0 + i * S, float(i)) for i in range(5))  # oldest first
+
+    series, truncated = reader.metrics("gpu-1", None, T0, FOREVER, max_points=5)
+    assert truncated and [len(s.points) for s in series] == [5]
+
+    series, truncated = reader.metrics("gpu-1", None, T0, FOREVER, max_points=20)
+    assert not truncated  # exactly everything there is fits
+    assert [len(s.points) for s in series] == [10, 10]
+
+    series, truncated = reader.metrics("gpu-1", None, T0, FOREVER, max_points=21)
+    assert not truncated and [len(s.points) for s in series] == [10, 10]
+
+
+def test_a_series_without_points_in_range_does_not_count_as_truncation(engine):
+    Writer(engine).write(WriteBatch(points=[point(T0 + i * S, float(i)) for i in range(4)]
+                                    + [point(T0 - 100 * S, 1.0, attributes={"hw.id": "GPU-1"})]), now_ns=NOW)
+
+    series, truncated = Reader(engine).metrics("gpu-1", None, T0, FOREVER, max_points=4)
+
+    assert [len(s.points) for s in series] == [4]
+    assert not truncated
+
+
+def test_hosts_list_their_metric_names_and_when_they_were_last_seen(engine):
+    writer = Writer(engine)
+    writer.write(WriteBatch(points=[point(T0, 0.5), point(T0, 0.2, name="system.cpu.utilization", attributes={}),
+                                    point(T0, 0.7, attributes={"hw.id": "GPU-1"})]), now_ns=NOW)
+    writer.write(WriteBatch(spans=[make_span(1, 1, host="gpu-2"), make_span(1, 2, 1, host=None)]),
+                 now_ns=NOW + 5 * S)
+
+    assert Reader(engine).hosts() == [
+        HostSummary("gpu-1", NOW, ("hw.gpu.utilization", "system.cpu.utilization")),
+        HostSummary("gpu-2", NOW + 5 * S, ())]
+
+    writer.write(WriteBatch(points=[point(T0 + S, 0.5)]), now_ns=NOW + 10 * S)
+    assert Reader(engine).hosts()[0] == HostSummary("gpu-1", NOW + 10 * S,
+                                                    ("hw.gpu.utilization", "system.cpu.utilization"))
+
+
+def test_a_nan_sample_is_not_stored_and_does_not_fail_the_batch(engine):
+    """SQLite stores NaN as NULL; one odd sample must not make the whole batch (everyone's spans) fail."""
+    Writer(engine).write(WriteBatch(spans=[make_span(1, 1)], points=[point(T0, float("nan")), point(T0 + S, 0.5),
+                                                                     point(T0 + 2 * S, float("inf"))]), now_ns=NOW)
+
+    series, _ = Reader(engine).metrics("gpu-1", None, 0, FOREVER)
+    assert [s.points for s in series] == [((T0 + S, 0.5), (T0 + 2 * S, float("inf")))]
+    assert len(Reader(engine).trace(tid(1))) == 1
+
+
+def test_names_the_columns_cannot_hold_are_cut_to_fit_not_failing_the_batch(engine):
+    """PostgreSQL refuses over-long VARCHARs and NUL characters; a sender's odd span must not poison the batch."""
+    long_name = "SELECT " + "x, " * 600 + "y FROM t"  # some database instrumentations name spans by the query
+    odd = make_span(1, 1, service="s" * 300, host="h\x00st", name=long_name)
+    Writer(engine).write(WriteBatch(spans=[odd, make_span(2, 1)],
+                                    points=[point(T0, 1.0, host="gpu-1", name="m" * 300, unit="u" * 100)],
+                                    windows=[window(T0, 50, service="s" * 300, operation=long_name)]), now_ns=NOW)
+    reader = Reader(engine)
+
+    (stored,) = reader.trace(tid(1))
+    assert stored.service == "s" * 255
+    assert stored.name == long_name[:1024]
+    assert stored.host == "h\ufffdst"
+    assert len(reader.trace(tid(2))) == 1
+    assert ("s" * 255, [long_name[:1024]]) in reader.services()
+    assert [w.p99_ns for w in reader.latency("s" * 255, long_name[:1024], 0, FOREVER)] == [50 * MS]
+    series, _ = reader.metrics("gpu-1", "m" * 255, 0, FOREVER)
+    assert [(s.unit, s.points) for s in series] == [("u" * 64, ((T0, 1.0),))]
+
+
+# --- latency windows --------------------------------------------------------------------------
+
+
+def test_latency_windows_round_trip_filter_and_upsert(engine):
+    writer, reader = Writer(engine), Reader(engine)
+    writer.write(WriteBatch(windows=[window(T0 + i * 10 * S, 10 + i) for i in range(6)]
+                            + [window(T0 + 10 * S, 99, operation="GET /health"),
+                               window(T0, 7, service="model", operation="forward")]), now_ns=NOW)
+
+    got = reader.latency("gateway", "POST /predict", T0 + 10 * S, T0 + 40 * S)  # since <= start < until
+    assert got == [window(T0 + i * 10 * S, 10 + i) for i in (1, 2, 3)]
+
+    every_operation = reader.latency("gateway", None, T0, T0 + 30 * S)
+    assert [(w.start_unix_nano, w.operation) for w in every_operation] == [
+        (T0, "POST /predict"), (T0 + 10 * S, "GET /health"), (T0 + 10 * S, "POST /predict"),
+        (T0 + 20 * S, "POST /predict")]
+    assert len(reader.latency("gateway", None, T0, FOREVER, limit=2)) == 2
+    assert reader.latency("nobody", None, 0, FOREVER) == []
+
+    # A window written again (a late span reopened it) keeps one row, with the new numbers.
+    writer.write(WriteBatch(windows=[window(T0 + 10 * S, 250, count=101)]), now_ns=NOW + S)
+    assert reader.latency("gateway", "POST /predict", T0 + 10 * S, T0 + 20 * S) == [
+        window(T0 + 10 * S, 250, count=101)]
+    assert count_rows(engine, "latency_windows") == 8
+
+
+# --- spikes -----------------------------------------------------------------------------------
+
+
+def _causes(n: int) -> tuple[Cause, ...]:
+    kinds = [CauseKind.SPAN, CauseKind.NETWORK, CauseKind.RESOURCE, CauseKind.SERVICE]
+    return tuple(Cause(kind=kinds[i % 4], score=round(0.9 / (i + 1), 6), summary=f"cause number {i}",
+                       service="model" if i % 4 != 2 else None, operation=f"op-{i}",
+                       peer_service="gateway" if i % 4 == 1 else None, host="gpu-1" if i % 4 == 2 else None,
+                       resource="hw.gpu.utilization" if i % 4 == 2 else None,
+                       baseline=10.0 + i if i % 3 else None, observed=100.5 + i if i % 3 else None,
+                       unit="ms" if i % 4 != 2 else "1")
+                 for i in range(n))
+
+
+SPIKES = (
+    Spike(id="a1", service="gateway", operation="POST /predict", state="resolved", start_unix_nano=T0,
+          end_unix_nano=T0 + 60 * S, p99_ns=900 * MS, baseline_p99_ns=100 * MS, causes=_causes(12),
+          exemplar_trace_ids=(tid(1), tid(2))),
+    Spike(id="b2", service="preprocess", operation="tokenize", state="open", start_unix_nano=T0 + 60 * S,
+          end_unix_nano=None, p99_ns=50 * MS, baseline_p99_ns=5 * MS, causes=_causes(1),
+          exemplar_trace_ids=(tid(3),)),
+    Spike(id="c3", service="gateway", operation="POST /predict", state="open", start_unix_nano=T0 + 120 * S,
+          end_unix_nano=None, p99_ns=700 * MS, baseline_p99_ns=100 * MS, causes=()),
+)
+
+
+def test_spikes_round_trip_newest_first_with_causes_in_rank_order(engine):
+    Writer(engine).write(WriteBatch(spikes=SPIKES), now_ns=NOW)
+    reader = Reader(engine)
+    a1, b2, c3 = SPIKES
+
+    assert reader.spikes() == [c3, b2, a1]
+    assert [c.summary for c in reader.spike("a1").causes] == [f"cause number {i}" for i in range(12)]
+    assert reader.spike("b2") == b2
+    assert reader.spike("nope") is None
+
+
+SPIKE_FILTERS = [
+    ({"service": "gateway"}, ["c3", "a1"]),
+    ({"state": "open"}, ["c3", "b2"]),
+    ({"state": "resolved"}, ["a1"]),
+    ({"since_ns": T0 + 60 * S}, ["c3", "b2"]),
+    ({"until_ns": T0 + 60 * S}, ["a1"]),
+    ({"service": "gateway", "state": "open", "since_ns": T0}, ["c3"]),
+    ({"service": "model"}, []),
+    ({"limit": 2}, ["c3", "b2"]),
+]
+
+
+def test_spike_filters(engine):
+    Writer(engine).write(WriteBatch(spikes=SPIKES), now_ns=NOW)
+    reader = Reader(engine)
+
+    assert [[s.id for s in reader.spikes(**filters)] for filters, _ in SPIKE_FILTERS] == [
+        expected for _, expected in SPIKE_FILTERS]
+
+
+def test_a_spike_written_again_is_updated_and_its_causes_replaced(engine):
+    writer, reader = Writer(engine), Reader(engine)
+    writer.write(WriteBatch(spikes=SPIKES), now_ns=NOW)
+    resolved = dataclasses.replace(SPIKES[2], state="resolved", end_unix_nano=T0 + 180 * S, p99_ns=800 * MS,
+                                   causes=_causes(3)[1:], exemplar_trace_ids=(tid(9),))
+    fewer = dataclasses.replace(SPIKES[0], causes=_causes(2))
+    writer.write(WriteBatch(spikes=[resolved, fewer]), now_ns=NOW + S)
+
+    assert reader.spike("c3") == resolved
+    assert reader.spike("a1") == fewer
+    assert [s.id for s in reader.spikes()] == ["c3", "b2", "a1"]
+    assert [s.id for s in reader.spikes(state="open")] == ["b2"]
+    assert reader.exemplar_trace_ids() == {tid(1), tid(2), tid(3), tid(9)}
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+
+def _fail_late(self: Writer, conn: Any, spikes: Any) -> None:
+    raise RuntimeError("database went away")
+
+
+@pytest.mark.parametrize("failure", ["not-null-violation", "late-failure"])
+def test_a_failed_write_leaves_nothing_behind_and_the_writer_keeps_working(engine, monkeypatch, failure):
+    writer, reader = Writer(engine), Reader(engine)
+    new_span = make_span(7, 1, service="fresh", name="GET /new", host="gpu-9")
+    new_point = point(T0, 1.5, host="gpu-9", name="new.metric", attributes={"a": 1})
+    if failure == "not-null-violation":
+        bad = WriteBatch(spans=[new_span], points=[dataclasses.replace(new_point, value=None)])
+        expected_error: type[Exception] = sqlalchemy.exc.IntegrityError
+    else:  # everything went in, then the transaction failed
+        monkeypatch.setattr(Writer, "_write_spikes", _fail_late)
+        bad = WriteBatch(spans=[new_span], points=[new_point], windows=[window(T0, 20)], spikes=SPIKES[:1])
+        expected_error = RuntimeError
+    with pytest.raises(expected_error):
+        writer.write(bad, now_ns=NOW)
+
+    assert reader.trace(tid(7)) == []
+    assert reader.services() == []
+    assert reader.hosts() == []
+    assert reader.metrics("gpu-9", None, 0, FOREVER) == ([], False)
+    assert reader.latency("gateway", None, 0, FOREVER) == []
+    assert reader.spikes() == []
+
+    monkeypatch.undo()
+    writer.write(WriteBatch(spans=[new_span], points=[new_point]), now_ns=NOW + S)  # same operation and series
+
+    assert [s.span_id for s in reader.trace(tid(7))] == [sid(1)]
+    assert reader.services() == [("fresh", ["GET /new"])]
+    assert reader.hosts() == [HostSummary("gpu-9", NOW + S, ("new.metric",))]
+    assert reader.metrics("gpu-9", None, 0, FOREVER) == (
+        [MetricSeries("gpu-9", "new.metric", {"a": 1}, "1", ((T0, 1.5),))], False)
+
+
+# --- retention --------------------------------------------------------------------------------
+
+
+def test_retention_removes_what_arrived_before_the_cutoff_and_keeps_spike_exemplars(engine):
+    writer, reader = Writer(engine), Reader(engine)
+    old, recent = NOW - 10 * DAY_S * S, NOW
+    writer.write(WriteBatch(spans=[make_span(1, 1), make_span(1, 2, 1, name="forward"),  # plain old trace
+                                   make_span(2, 1), make_span(2, 2, 1, name="forward")],  # old, a spike's exemplar
+                            points=[point(T0 + i * S, float(i)) for i in range(5)],
+                            windows=[window(T0, 30)]), now_ns=old)
+    writer.write(WriteBatch(spans=[make_span(3, 1, start=T0 - 365 * DAY_S * S)],  # a replay: old event time
+                            points=[point(T0 + i * S, float(i)) for i in range(5, 8)],
+                            spikes=[dataclasses.replace(SPIKES[0], exemplar_trace_ids=(tid(2), tid(99)))]),
+                 now_ns=recent)
+    span_cutoff_s = point_cutoff_s = (NOW - DAY_S * S) // S
+
+    result = expire(engine, span_cutoff_s, point_cutoff_s)
+
+    assert result == RetentionResult(spans=2, points=5)
+    assert reader.trace(tid(1)) == []
+    assert [s.span_id for s in reader.trace(tid(2))] == [sid(1), sid(2)]
+    assert len(reader.trace(tid(3))) == 1  # arrival time decides, not event time
+    series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
+    assert [t for t, _ in series[0].points] == [T0 + i * S for i in range(5, 8)]
+    assert reader.latency("gateway", None, 0, FOREVER) == [window(T0, 30)]  # aggregates are kept
+    assert [s.id for s in reader.spikes()] == ["a1"]
+    assert [(service, sorted(ops)) for service, ops in reader.services()] == [("gateway", ["POST /predict", "forward"])]
+    assert expire(engine, span_cutoff_s, point_cutoff_s) == RetentionResult()
+
+
+def test_retention_cutoffs_are_separate_and_exclusive(engine):
+    writer, reader = Writer(engine), Reader(engine)
+    writer.write(WriteBatch(spans=[make_span(1, 1)], points=[point(T0, 1.0)]), now_ns=NOW)
+    now_s = NOW // S
+
+    assert expire(engine, span_cutoff_s=now_s, point_cutoff_s=now_s) == RetentionResult()  # arrived at the cutoff
+    assert expire(engine, span_cutoff_s=now_s + 1, point_cutoff_s=0) == RetentionResult(spans=1)
+    assert reader.trace(tid(1)) == []
+    assert reader.metrics("gpu-1", None, 0, FOREVER)[0][0].points == ((T0, 1.0),)
+    assert expire(engine, span_cutoff_s=0, point_cutoff_s=now_s + 1) == RetentionResult(points=1)
+    assert reader.metrics("gpu-1", None, 0, FOREVER) == ([], False)
+
+
+def test_retention_deletes_in_batches_and_bounds_its_work(engine, monkeypatch):
+    monkeypatch.setattr(retention, "DELETE_BATCH", 3)
+    writer, reader = Writer(engine), Reader(engine)
+    writer.write(WriteBatch(spans=[make_span(t, s, s - 1 if s > 1 else None) for t in range(1, 6) for s in (1, 2)],
+                            points=[point(T0 + i * S, float(i)) for i in range(7)]), now_ns=NOW)
+    writer.write(WriteBatch(spans=[make_span(9, 1)], points=[point(T0 + 100 * S, 1.0)]), now_ns=NOW + DAY_S * S)
+    cutoff_s = (NOW + S) // S
+
+    assert expire(engine, cutoff_s, cutoff_s, max_batches=2) == RetentionResult(spans=6, points=6)
+    assert count_rows(engine, "spans") == 5
+    assert expire(engine, cutoff_s, cutoff_s) == RetentionResult(spans=4, points=1)
+    assert count_rows(engine, "spans") == 1
+    assert len(reader.trace(tid(9))) == 1
+    series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
+    assert series[0].points == ((T0 + 100 * S, 1.0),)
+
+
+# --- every API query is served by an index (SQLite's plans) -----------------------------------
+
+# Tables that grow with traffic or time. A full scan of one of them is a bug.
+BIG_TABLES = ("spans", "metric_points", "latency_windows", "spikes", "causes")
+# operations, metric_series and hosts grow with cardinality (services x operations, hosts x metrics), not with
+# traffic, and the API lists them whole (/services, /hosts): reading them in index order is what it should do.
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Reader, list[tuple[str, Any]]]]:
+    eng = make_engine(f"sqlite:///{Path(tmp_path_factory.mktemp('plans')) / 'plans.db'}")
+    upgrade(eng)
+    Writer(eng).write(WriteBatch(
+        spans=[make_span(t, s, s - 1 if s > 1 else None, name=f"op-{s}") for t in range(1, 30) for s in (1, 2, 3)],
+        points=[point(T0 + i * S, float(i), host=f"gpu-{i % 3}", attributes={"hw.id": f"GPU-{i % 2}"})
+                for i in range(60)],
+        windows=[window(T0 + i * 10 * S, 10, operation=f"op-{i % 3}") for i in range(60)],
+        spikes=SPIKES), now_ns=NOW)
+    statements: list[tuple[str, Any]] = []
+
+    @event.listens_for(eng, "before_cursor_execute")
+    def _capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        statements.append((statement, parameters))
+
+    yield Reader(eng), statements
+    eng.dispose()
+
+
+QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
+    # name: (the API's call, fragments the plan must contain)
+    "trace by id": (lambda r: r.trace(tid(3)), ["SEARCH spans USING INDEX", "(trace_id=?)"]),
+    "latency of one operation": (lambda r: r.latency("gateway", "op-1", T0, T0 + 3600 * S),
+                                 ["SEARCH latency_windows", "operation=?", "start_ns>?", "start_ns<?"]),
+    "latency of every operation": (lambda r: r.latency("gateway", None, T0, T0 + 3600 * S),
+                                   ["SEARCH latency_windows", "service=?", "start_ns>?", "start_ns<?"]),
+    "metrics by host": (lambda r: r.metrics("gpu-1", None, T0, T0 + 3600 * S),
+                        ["SEARCH metric_series", "(host=?)", "SEARCH metric_points", "series_id=? AND t_ns>?"]),
+    "metrics by name": (lambda r: r.metrics(None, "hw.gpu.utilization", T0, T0 + 3600 * S),
+                        ["SEARCH metric_series", "(name=?)", "SEARCH metric_points", "series_id=? AND t_ns>?"]),
+    "metrics by host and name": (lambda r: r.metrics("gpu-1", "hw.gpu.utilization", T0, T0 + 3600 * S),
+                                 ["SEARCH metric_series", "host=? AND name=?", "SEARCH metric_points"]),
+    "newest spikes": (lambda r: r.spikes(), ["USING INDEX ix_spikes_start", "SEARCH causes"]),
+    "spikes of a service since": (lambda r: r.spikes(service="gateway", since_ns=T0),
+                                  ["SEARCH spikes USING INDEX ix_spikes_service_start (service=? AND start_ns>?)"]),
+    "open spikes": (lambda r: r.spikes(state="open"), ["USING INDEX ix_spikes_start"]),
+    "one spike": (lambda r: r.spike("a1"), ["SEARCH spikes", "(id=?)", "SEARCH causes"]),
+    "services": (lambda r: r.services(), ["operations USING COVERING INDEX"]),
+    "hosts": (lambda r: r.hosts(), ["metric_series USING COVERING INDEX", "hosts USING INDEX"]),
+}
+FULL_SCAN = re.compile(rf"\bSCAN ({'|'.join(BIG_TABLES)})\b(?! USING (COVERING )?INDEX)")
+
+
+@pytest.mark.parametrize("query", list(QUERIES))
+def test_every_api_query_is_served_by_an_index(planned, query):
+    reader, statements = planned
+    call, required = QUERIES[query]
+    statements.clear()
+    assert call(reader)  # the data set answers every query, so every statement behind it ran
+    plan = []
+    with reader.engine.connect() as conn:
+        for statement, parameters in list(statements):
+            rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters).all()
+            plan += [row[-1] for row in rows]
+    text = "\n".join(plan)
+
+    assert not FULL_SCAN.search(text), f"{query} reads a whole table:\n{text}"
+    for fragment in required:
+        assert fragment in text, f"{query}: expected {fragment!r} in the plan:\n{text}"
