@@ -31,7 +31,8 @@ from agent.sampling import Sampler, SamplingLoop
 from agent.spool import DiskSpool, Item, Signal
 from agent.telemetry import AgentMetrics, registry_for
 from spikehound import __version__
-from spikehound.config import Config, HostPort
+from spikehound.config import Config
+from spikehound.lifecycle import start_http
 
 log = logging.getLogger("spikehound.agent")
 
@@ -76,10 +77,10 @@ class Agent:
         self.forwarder = Forwarder(self.queue, a.collector, a.collector_token)
         registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge))
         try:
-            runner, self.metrics_port = await _serve(_metrics_app(registry), a.metrics_listen, "agent /metrics")
+            runner, self.metrics_port = await start_http(_metrics_app(registry), a.metrics_listen, "agent /metrics")
             self._runners.append(runner)
             self._grpc, self.grpc_port = await start_grpc(self.intake, a.otlp_grpc, a.max_request_bytes)
-            runner, self.http_port = await _serve(http_app(self.intake, a.max_request_bytes), a.otlp_http,
+            runner, self.http_port = await start_http(http_app(self.intake, a.max_request_bytes), a.otlp_http,
                                                   "OTLP/HTTP")
             self._runners.append(runner)
         except BaseException:
@@ -167,16 +168,3 @@ def _metrics_app(registry: Any) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     return app
-
-
-async def _serve(app: web.Application, listen: HostPort, what: str) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, listen.host, listen.port, reuse_address=True).start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(f"cannot listen for {what} on {listen}: {exc.strerror}") from None
-    port = runner.addresses[0][1]
-    log.info("%s listening on %s", what, HostPort(listen.host, port))
-    return runner, port

@@ -21,7 +21,8 @@ from collector.otlp_grpc import start_grpc
 from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
 from collector.telemetry import CollectorTelemetry
-from spikehound.config import Config, HostPort, redact_url
+from spikehound.config import Config, redact_url
+from spikehound.lifecycle import start_http
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.reader import Reader
@@ -30,20 +31,6 @@ from storage.writer import Writer
 log = logging.getLogger("spikehound.collector")
 
 GRPC_GRACE_SECONDS = 10.0
-
-
-async def _start_site(app: web.Application, listen: HostPort, what: str) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, listen.host, listen.port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(f"cannot listen for {what} on {listen}: {exc.strerror}") from None
-    port = runner.addresses[0][1]
-    log.info("%s listening on %s", what, HostPort(listen.host, port))
-    return runner, port
 
 
 class Collector:
@@ -83,11 +70,11 @@ class Collector:
                         "reaches them can send data")
         try:
             api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token)
-            runner, self.api_port = await _start_site(api, c.api, "API")
+            runner, self.api_port = await start_http(api, c.api, "API")
             self._runners.append(runner)
             self._grpc, self.grpc_port = await start_grpc(ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes)
             http = HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app()
-            runner, self.http_port = await _start_site(http, c.otlp_http, "OTLP/HTTP")
+            runner, self.http_port = await start_http(http, c.otlp_http, "OTLP/HTTP")
             self._runners.append(runner)
         except BaseException:
             await self.stop()

@@ -27,9 +27,15 @@ COLLECTOR_FLAGS = {"db": "storage.url", "api": "collector.api", "otlp_grpc": "co
                    "otlp_http": "collector.otlp_http", "log_level": "log.level", "log_format": "log.format"}
 
 
+AGENT_FLAGS = {"db": "storage.url", "collector": "agent.collector", "otlp_grpc": "agent.otlp_grpc",
+               "otlp_http": "agent.otlp_http", "interval": "agent.interval", "log_level": "log.level",
+               "log_format": "log.format"}
+
+
 def _config(args: argparse.Namespace) -> Config:
-    flags = {key: getattr(args, flag, None) for flag, key in COLLECTOR_FLAGS.items()}
-    names = {key: "--" + flag.replace("_", "-") for flag, key in COLLECTOR_FLAGS.items()}
+    mapping = AGENT_FLAGS if args.command == "agent" else COLLECTOR_FLAGS
+    flags = {key: getattr(args, flag, None) for flag, key in mapping.items()}
+    names = {key: "--" + flag.replace("_", "-") for flag, key in mapping.items()}
     return load(args.config, flags=flags, flag_names=names)
 
 
@@ -55,6 +61,20 @@ def cmd_collector(args: argparse.Namespace) -> int:
         return asyncio.run(serve(Collector(cfg)))
     except OSError as exc:
         print(f"spikehound collector: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from agent.daemon import Agent
+    from spikehound import logs
+    from spikehound.lifecycle import serve
+
+    cfg = _config(args)
+    logs.setup(cfg.log.level, cfg.log.format)
+    try:
+        return asyncio.run(serve(Agent(cfg), stop_timeout=cfg.agent.drain_seconds + 20))
+    except OSError as exc:
+        print(f"spikehound agent: {exc}", file=sys.stderr)
         return 1
 
 
@@ -136,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collector", help="run the central collector (OTLP in, storage, detectors, API)")
     _add_config_flags(p)
     p.set_defaults(func=cmd_collector)
+
+    p = sub.add_parser("agent", help="run the per-host agent (GPU/CPU/network samplers, local OTLP receiver, "
+                                     "loss-free forwarding)")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file (default: $SPIKEHOUND_CONFIG)")
+    p.add_argument("--collector", metavar="URL", help="collector OTLP/gRPC endpoint (default 127.0.0.1:4317)")
+    p.add_argument("--otlp-grpc", metavar="HOST:PORT", help="local OTLP/gRPC listen address (default 127.0.0.1:4317)")
+    p.add_argument("--otlp-http", metavar="HOST:PORT", help="local OTLP/HTTP listen address (default 127.0.0.1:4318)")
+    p.add_argument("--interval", metavar="SECONDS", help="sampling interval (default 1)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
+    p.add_argument("--log-format", choices=["plain", "json"], help="log line format")
+    p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("check-config", help="validate the configuration and print the effective values")
     _add_config_flags(p)

@@ -21,6 +21,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -122,6 +123,41 @@ class CollectorConfig:
 
 
 @dataclass(slots=True)
+class AgentConfig:
+    """The per-host agent: samplers, local receivers, forwarding."""
+
+    # Collector OTLP/gRPC endpoint: host:port, http://host:port or https://host:port (TLS).
+    collector: str = "127.0.0.1:4317"
+    # Bearer token sent to the collector (its collector.otlp_token).
+    collector_token: str = ""
+    # Local receivers for model servers; loopback by default, where SDKs send unless told otherwise.
+    otlp_grpc: HostPort = field(default_factory=lambda: HostPort("127.0.0.1", 4317))
+    otlp_http: HostPort = field(default_factory=lambda: HostPort("127.0.0.1", 4318))
+    # The agent's own /metrics and /healthz.
+    metrics_listen: HostPort = field(default_factory=lambda: HostPort("127.0.0.1", 8471))
+    # Seconds between samples of GPUs, CPU and network.
+    interval: float = 1.0
+    # host.name given to everything this host sends; empty means the system host name.
+    host_name: str = ""
+    # Model-server processes to watch: regular expressions searched in process name and command line.
+    process_patterns: list[str] = field(default_factory=list)
+    # ... or PID files naming them.
+    pid_files: list[str] = field(default_factory=list)
+    # Network interfaces to sample; empty means every interface but loopback.
+    interfaces: list[str] = field(default_factory=list)
+    # Requests held in memory before spilling to disk.
+    memory_queue_bytes: int = 64 * 1024 * 1024
+    # Disk spool for when the collector is away; full means senders are pushed back.
+    spool_max_bytes: int = 1024 * 1024 * 1024
+    # Spool directory; empty means data_dir/spool.
+    spool_dir: str = ""
+    # Largest request a local sender may send.
+    max_request_bytes: int = 32 * 1024 * 1024
+    # On SIGTERM, keep forwarding this long before spooling what is left.
+    drain_seconds: float = 10.0
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["plain", "json"] = "plain"
@@ -134,6 +170,7 @@ class Config:
     data_dir: str = field(default_factory=_default_data_dir)
     storage: StorageConfig = field(default_factory=StorageConfig)
     collector: CollectorConfig = field(default_factory=CollectorConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -196,7 +233,7 @@ def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
     section_name, _, name = key.rpartition(".")
     target: Any = getattr(cfg, section_name, None) if section_name else cfg
     known = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
-    if (section_name and section_name not in SECTIONS) or name not in known or name in SECTIONS:
+    if (section_name and section_name not in SECTIONS) or name not in known or (not section_name and name in SECTIONS):
         raise ConfigError(f"{key} (from {source}): unknown setting")
     hint = typing.get_type_hints(type(target))[name]
     try:
@@ -208,6 +245,11 @@ def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
 
 
 def _coerce(raw: Any, hint: Any) -> Any:
+    if typing.get_origin(hint) is list:
+        items = [x.strip() for x in raw.split(",") if x.strip()] if isinstance(raw, str) else raw
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError(f"expected a list of strings (or a comma-separated string), got {raw!r}")
+        return list(items)
     if hint is HostPort:
         if isinstance(raw, HostPort):
             return raw
@@ -262,18 +304,28 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                 "collector.max_request_bytes": c.max_request_bytes, "collector.window_seconds": c.window_seconds,
                 "collector.max_streams": c.max_streams,
                 "storage.span_retention_hours": cfg.storage.span_retention_hours,
-                "storage.metric_retention_hours": cfg.storage.metric_retention_hours}
+                "storage.metric_retention_hours": cfg.storage.metric_retention_hours,
+                "agent.interval": cfg.agent.interval, "agent.memory_queue_bytes": cfg.agent.memory_queue_bytes,
+                "agent.spool_max_bytes": cfg.agent.spool_max_bytes,
+                "agent.max_request_bytes": cfg.agent.max_request_bytes}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     for key, value in {"collector.allowed_lateness_seconds": c.allowed_lateness_seconds,
                        "collector.idle_flush_seconds": c.idle_flush_seconds,
-                       "collector.retry_after_seconds": c.retry_after_seconds}.items():
+                       "collector.retry_after_seconds": c.retry_after_seconds,
+                       "agent.drain_seconds": cfg.agent.drain_seconds}.items():
         if value < 0:
             raise ConfigError(f"{named(key)}: must not be negative, got {value}")
     if not c.api.is_loopback and not c.api_token:
         raise ConfigError(f"{named('collector.api')}: listening on {c.api} beyond loopback needs collector.api_token "
                           "(set SPIKEHOUND_COLLECTOR_API_TOKEN)")
+    for pattern in cfg.agent.process_patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"{named('agent.process_patterns')}: {pattern!r} is not a regular expression: {exc}"
+                              ) from None
     url = cfg.database_url
     if not url.startswith(("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")):
         raise ConfigError(f"{named('storage.url')}: expected a sqlite:// or postgresql:// URL, "
@@ -329,6 +381,8 @@ def to_toml(doc: dict[str, Any]) -> str:
             return "true" if v else "false"
         if isinstance(v, int | float):
             return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(literal(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     lines = [f"{k} = {literal(v)}" for k, v in doc.items() if not isinstance(v, dict)]

@@ -11,6 +11,10 @@ import logging
 import signal
 from typing import Protocol
 
+from aiohttp import web
+
+from spikehound.config import HostPort
+
 log = logging.getLogger("spikehound")
 
 
@@ -53,3 +57,20 @@ async def serve(service: Service, stop_timeout: float = 30.0) -> int:
         status = status or 1
     log.info("%s stopped", service.name)
     return status
+
+
+async def start_http(app: web.Application, listen: HostPort, what: str) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``listen``; return the runner (``cleanup()`` stops it) and the bound port.
+
+    Raises OSError with one readable line when the address cannot be bound.
+    """
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, listen.host, listen.port, reuse_address=True).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot listen for {what} on {listen}: {exc.strerror}") from None
+    port = runner.addresses[0][1]
+    log.info("%s listening on %s", what, HostPort(listen.host, port))
+    return runner, port

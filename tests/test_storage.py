@@ -289,10 +289,21 @@ def test_hosts_list_their_metric_names_and_when_they_were_last_seen(engine):
                                                     ("hw.gpu.utilization", "system.cpu.utilization"))
 
 
-def test_a_nan_sample_is_not_stored_and_does_not_fail_the_batch(engine):
-    """SQLite stores NaN as NULL; one odd sample must not make the whole batch (everyone's spans) fail."""
-    Writer(engine).write(WriteBatch(spans=[make_span(1, 1)], points=[point(T0, float("nan")), point(T0 + S, 0.5),
-                                                                     point(T0 + 2 * S, float("inf"))]), now_ns=NOW)
+def test_a_nan_sample_is_rejected_to_its_sender_and_infinity_is_stored(engine):
+    """SQLite would store NaN as NULL: decoding rejects it with a reason; the rest of the request is kept."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    from spikehound.otlp import decode_metrics
+
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    rm.resource.attributes.add(key="host.name").value.string_value = "gpu-1"
+    gauge = rm.scope_metrics.add().metrics.add(name="hw.gpu.utilization").gauge
+    for t, v in ((T0, float("nan")), (T0 + S, 0.5), (T0 + 2 * S, float("inf"))):
+        gauge.data_points.add(time_unix_nano=t, as_double=v)
+    decoded = decode_metrics(req)
+    assert decoded.rejected == 1 and "NaN" in decoded.errors[0]
+    Writer(engine).write(WriteBatch(spans=[make_span(1, 1)], points=decoded.points), now_ns=NOW)
 
     series, _ = Reader(engine).metrics("gpu-1", None, 0, FOREVER)
     assert [s.points for s in series] == [((T0 + S, 0.5), (T0 + 2 * S, float("inf")))]
