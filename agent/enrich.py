@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from spikehound.otlp import PayloadError, set_any_value
+from spikehound.otlp import PayloadError, count_items, set_any_value
 
 SENDER_HOST_KEY = "spikehound.sender.host.name"
 
@@ -62,23 +62,16 @@ class Enricher:
         """Enriched serialized request and its span count; PayloadError when unreadable."""
         request = ExportTraceServiceRequest()
         _parse(request, payload)
-        count = 0
         for rs in request.resource_spans:
             self._enrich(rs.resource)
-            count += sum(len(ss.spans) for ss in rs.scope_spans)
-        return request.SerializeToString(), count
+        return request.SerializeToString(), count_items(request)
 
     def metrics(self, payload: bytes) -> tuple[bytes, int]:
         request = ExportMetricsServiceRequest()
         _parse(request, payload)
-        count = 0
         for rm in request.resource_metrics:
             self._enrich(rm.resource)
-            for sm in rm.scope_metrics:
-                for m in sm.metrics:
-                    which = m.WhichOneof("data")
-                    count += len(getattr(m, which).data_points) if which else 0
-        return request.SerializeToString(), count
+        return request.SerializeToString(), count_items(request)
 
 
 def _parse(request: Any, payload: bytes) -> None:

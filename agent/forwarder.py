@@ -29,6 +29,7 @@ _PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED}
 BACKOFF_START = 0.25
 BACKOFF_MAX = 30.0
 REQUEST_TIMEOUT = 30.0
+RECONNECT_BACKOFF_MAX_MS = 5000
 
 
 def parse_target(url: str) -> tuple[str, bool]:
@@ -70,7 +71,10 @@ class Forwarder:
         self.queue = queue
         target, tls = parse_target(collector_url)
         credentials = grpc.ssl_channel_credentials() if tls else None
-        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.enable_retries", 0)]
+        # gRPC's own reconnect backoff grows to 120 s: after a long outage our retries would keep failing fast
+        # that long after the collector is back. Reconnecting is cheap, so keep the channel close behind.
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.enable_retries", 0),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS)]
         self.channel = (grpc.aio.secure_channel(target, credentials, options=options) if credentials
                         else grpc.aio.insecure_channel(target, options=options))
         self._calls = {signal: self.channel.unary_unary(method, request_serializer=None,

@@ -25,6 +25,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 
 from agent.sample import Kind, Sample
+from spikehound.otlp import count_items
 
 Sink = Callable[[bytes, int], bool]  # (serialized ExportMetricsServiceRequest, data points) -> queued?
 
@@ -37,8 +38,7 @@ class _SinkExporter(MetricExporter):
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         request = encode_metrics(metrics_data)
-        points = sum(len(getattr(m, m.WhichOneof("data")).data_points)
-                     for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics)
+        points = count_items(request)
         if not points:
             return MetricExportResult.SUCCESS
         if not self.sink(request.SerializeToString(), points):

@@ -9,6 +9,7 @@ when the queue is full).
 from __future__ import annotations
 
 from aiohttp import web
+from google.protobuf import json_format
 from google.rpc import status_pb2
 
 from agent.intake import Intake, QueueFull
@@ -17,9 +18,15 @@ from agent.spool import Signal
 from spikehound.otlp import MEDIA_TYPES, BodyTooLarge, PayloadError, gunzip
 
 
-def _status(code: int, message: str, http_status: int, retry_after: int | None = None) -> web.Response:
-    body = status_pb2.Status(code=code, message=message).SerializeToString()
-    response = web.Response(status=http_status, body=body, content_type="application/x-protobuf")
+def _status(code: int, message: str, http_status: int, as_json: bool, retry_after: int | None = None) -> web.Response:
+    """A ``google.rpc.Status`` body, in the encoding of the request as OTLP/HTTP requires."""
+    status = status_pb2.Status(code=code, message=message)
+    if as_json:
+        response = web.Response(status=http_status, text=json_format.MessageToJson(status, indent=None),
+                                content_type="application/json")
+    else:
+        response = web.Response(status=http_status, body=status.SerializeToString(),
+                                content_type="application/x-protobuf")
     if retry_after is not None:
         response.headers["Retry-After"] = str(retry_after)
     return response
@@ -35,15 +42,19 @@ def http_app(intake: Intake, max_request_bytes: int) -> web.Application:
         try:
             body = await request.read()
             if request.headers.get("Content-Encoding", "").lower() == "gzip":
-                body = gunzip(body, max_request_bytes)
+                try:
+                    body = gunzip(body, max_request_bytes)
+                except PayloadError:  # accept() counts the requests it cannot read; count a broken gzip too
+                    intake.invalid_requests["http"] += 1
+                    raise
             intake.accept(signal, body, "http", json=as_json)
         except (web.HTTPRequestEntityTooLarge, BodyTooLarge):
             intake.invalid_requests["http"] += 1
-            return _status(3, f"request body exceeds {max_request_bytes} bytes", 413)
+            return _status(3, f"request body exceeds {max_request_bytes} bytes", 413, as_json)
         except PayloadError as exc:
-            return _status(3, str(exc), 400)
+            return _status(3, str(exc), 400, as_json)
         except QueueFull as exc:
-            return _status(8, str(exc), 429, retry_after=RETRY_AFTER_SECONDS)
+            return _status(8, str(exc), 429, as_json, retry_after=RETRY_AFTER_SECONDS)
         if as_json:
             return web.json_response({})
         return web.Response(body=b"", content_type="application/x-protobuf")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import grpc
 from aiohttp import web
@@ -31,6 +32,7 @@ from storage.writer import Writer
 log = logging.getLogger("spikehound.collector")
 
 GRPC_GRACE_SECONDS = 10.0
+SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class Collector:
@@ -51,6 +53,9 @@ class Collector:
 
     async def start(self) -> None:
         cfg, c = self.cfg, self.cfg.collector
+        # The writer thread gives up the GIL inside every SQLite statement and needs it back to bind the next
+        # one; with the default 5 ms switch interval it waits behind the receivers' decoding (a GIL convoy).
+        sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
         loop = asyncio.get_running_loop()
         self._failed = loop.create_future()
         url = cfg.database_url

@@ -56,6 +56,17 @@ class Ingest:
         self.telemetry = telemetry
         self.retry_after = retry_after
 
+    def check_room(self, signal: str, items: int) -> None:
+        """Raise Overloaded before the costly decoding when the queue is already full.
+
+        Under overload, decoding requests only to refuse them would starve the writer
+        of the CPU it needs to drain the queue.
+        """
+        if self.queue.items >= self.queue.capacity:
+            self.telemetry.dropped.labels(signal, "queue_full").inc(items)
+            raise Overloaded(f"ingest queue full ({self.queue.items} of {self.queue.capacity} items waiting)",
+                             self.retry_after)
+
     async def submit(self, decoded: Decoded, signal: str, protocol: str) -> Accepted:
         """Queue the valid records and return once they are committed."""
         t = self.telemetry
@@ -68,7 +79,7 @@ class Ingest:
                 raise InvalidPayload(decoded.error_message)
             return Accepted(0, "")
         try:
-            submission = self.queue.offer(decoded.spans, decoded.points)
+            submission = self.queue.offer(decoded.spans, decoded.points, decoded.payload)
         except QueueFull as exc:
             t.dropped.labels(signal, "queue_full").inc(decoded.accepted)
             raise Overloaded(str(exc), self.retry_after) from None

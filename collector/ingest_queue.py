@@ -26,6 +26,7 @@ class Submission:
 
     spans: list[Span]
     points: list[MetricPoint]
+    payload: bytes  # the encoded request holding exactly ``spans`` (empty for metrics)
     committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def __len__(self) -> int:
@@ -41,13 +42,13 @@ class IngestQueue:
         self._queue: deque[Submission] = deque()
         self._ready = asyncio.Event()
 
-    def offer(self, spans: list[Span], points: list[MetricPoint]) -> Submission:
+    def offer(self, spans: list[Span], points: list[MetricPoint], payload: bytes = b"") -> Submission:
         """Queue a request or raise QueueFull; await ``.committed`` for the commit."""
         size = len(spans) + len(points)
         # A request larger than the whole capacity still gets in when the queue is empty.
         if self.items and self.items + size > self.capacity:
             raise QueueFull(f"ingest queue full ({self.items} of {self.capacity} items waiting)")
-        sub = Submission(spans, points)
+        sub = Submission(spans, points, payload)
         self._queue.append(sub)
         self.items += size
         self._ready.set()

@@ -24,6 +24,7 @@ from spikehound.config import HostPort
 from spikehound.otlp import (
     Decoded,
     PayloadError,
+    count_items,
     decode_metrics,
     decode_spans,
     parse_metrics_request,
@@ -42,7 +43,7 @@ class _Export:
     """One service's Export method: bytes in, response message out."""
 
     def __init__(self, ingest: Ingest, token: str, signal: str, parse: Callable[[bytes], Any],
-                 decode: Callable[[Any], Decoded], response: type[Message], rejected_field: str) -> None:
+                 decode: Callable[[Any, bytes | None], Decoded], response: type[Message], rejected_field: str) -> None:
         self.ingest, self.token, self.signal = ingest, token, signal
         self.parse, self.decode, self.response, self.rejected_field = parse, decode, response, rejected_field
 
@@ -59,7 +60,8 @@ class _Export:
             counted.labels("grpc", "bad_payload").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            accepted = await self.ingest.submit(self.decode(request), self.signal, "grpc")
+            self.ingest.check_room(self.signal, count_items(request))
+            accepted = await self.ingest.submit(self.decode(request, body), self.signal, "grpc")
         except InvalidPayload as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:

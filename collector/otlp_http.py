@@ -25,6 +25,7 @@ from spikehound.otlp import (
     BodyTooLarge,
     Decoded,
     PayloadError,
+    count_items,
     decode_metrics,
     decode_spans,
     gunzip,
@@ -60,7 +61,7 @@ class HttpReceiver:
                                   ExportMetricsServiceResponse, "rejected_data_points")
 
     async def _handle(self, request: web.Request, signal: str, parse: Callable[..., Any],
-                      decode: Callable[[Any], Decoded], response_type: type[Message],
+                      decode: Callable[[Any, bytes | None], Decoded], response_type: type[Message],
                       rejected_field: str) -> web.StreamResponse:
         counted = self.ingest.telemetry.rejected_requests
         if not bearer_ok(request.headers.get("Authorization"), self.token):
@@ -80,13 +81,17 @@ class HttpReceiver:
             body = await request.read()
             if encoding == "gzip":
                 body = gunzip(body, self.max_request_bytes)
-            decoded = decode(parse(body, json=as_json))
+            request_message = parse(body, json=as_json)
+            self.ingest.check_room(signal, count_items(request_message))
+            decoded = decode(request_message, None if as_json else body)
         except (web.HTTPRequestEntityTooLarge, BodyTooLarge):
             counted.labels("http", "too_large").inc()
             return self._status(as_json, 413, f"request body exceeds {self.max_request_bytes} bytes")
         except PayloadError as exc:
             counted.labels("http", "bad_payload").inc()
             return self._status(as_json, 400, str(exc))
+        except Overloaded as exc:
+            return self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
         try:
             accepted = await self.ingest.submit(decoded, signal, "http")
         except InvalidPayload as exc:

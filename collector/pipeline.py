@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from collector.ingest_queue import IngestQueue, Submission
 from collector.telemetry import CollectorTelemetry
@@ -19,9 +21,10 @@ from detectors.windows import LatencyWindows
 from spikehound.config import Config
 from spikehound.model import LatencyWindow
 from storage.retention import expire
-from storage.writer import WriteBatch, Writer
+from storage.writer import SpanBlock, WriteBatch, Writer
 
 log = logging.getLogger("spikehound.collector.pipeline")
+T = TypeVar("T")
 
 NS = 1_000_000_000
 TICK_SECONDS = 0.5
@@ -71,7 +74,7 @@ class IngestPipeline:
                 await self._commit(taken)
             else:
                 await self._tick()
-        self._closed_windows += self.windows.flush()
+        self._closed_windows += await self._on_writer(self.windows.flush)
         if self._closed_windows:
             await self._write(WriteBatch(windows=self._closed_windows))
 
@@ -83,7 +86,8 @@ class IngestPipeline:
         points = [p for sub in taken for p in sub.points]
         windows = self._closed_windows
         try:
-            await self._write(WriteBatch(spans=spans, points=points, windows=windows))
+            blocks = [SpanBlock(sub.payload, sub.spans) for sub in taken if sub.spans]
+            closed = await self._write(WriteBatch(spans=spans, points=points, windows=windows, blocks=blocks))
         except Exception as exc:
             error = StorageUnavailable(f"storage write failed: {exc.__class__.__name__}")
             for sub in taken:
@@ -103,13 +107,25 @@ class IngestPipeline:
                 sub.committed.set_result(None)
         self.telemetry.stored.labels("spans").inc(len(spans))
         self.telemetry.stored.labels("metrics").inc(len(points))
-        self.windows.add(spans)
-        self._closed_windows += self.windows.close()
+        self._closed_windows += closed
 
-    async def _write(self, batch: WriteBatch) -> None:
+    def _write_and_window(self, batch: WriteBatch) -> list[LatencyWindow]:
+        """On the writer thread: commit, then feed the committed spans to the windows (keeps the loop free)."""
+        self.writer.write(batch)
+        if not batch.spans:
+            return []
+        self.windows.add(batch.spans)
+        return self.windows.close()
+
+    async def _on_writer(self, fn: Callable[..., T], *args: Any) -> T:
+        # The windows are only ever touched from the writer thread, so they need no lock.
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _write(self, batch: WriteBatch) -> list[LatencyWindow]:
+        """Commit ``batch``; return the windows its spans closed."""
         started = time.perf_counter()
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.writer.write, batch)
+            closed = await self._on_writer(self._write_and_window, batch)
         except Exception:
             self.healthy = False
             self.telemetry.write_errors.inc()
@@ -117,6 +133,7 @@ class IngestPipeline:
         self.healthy = True
         self._failures = 0
         self.telemetry.write_seconds.observe(time.perf_counter() - started)
+        return closed
 
     async def _backoff(self, exc: Exception) -> None:
         delay = ERROR_BACKOFF_SECONDS[min(self._failures, len(ERROR_BACKOFF_SECONDS) - 1)]
@@ -131,7 +148,7 @@ class IngestPipeline:
         idle = time.monotonic() - self._last_input
         if idle >= c.idle_flush_seconds:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
-            self._closed_windows += self.windows.close(idle_advance_ns=advance)
+            self._closed_windows += await self._on_writer(self.windows.close, advance)
         if self._closed_windows:
             windows = self._closed_windows
             try:
@@ -149,9 +166,8 @@ class IngestPipeline:
         s = self.cfg.storage
         now = time.time()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self.executor, expire, self.writer.engine, int(now - s.span_retention_hours * 3600),
-                int(now - s.metric_retention_hours * 3600))
+            result = await self._on_writer(expire, self.writer.engine, int(now - s.span_retention_hours * 3600),
+                                           int(now - s.metric_retention_hours * 3600))
         except Exception as exc:
             log.error("retention failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
             return

@@ -44,19 +44,20 @@ class Span:
 
     ``host`` is the resource's ``host.name`` (None when the sender did not say);
     ``resource`` holds the other resource attributes (service.version, ...) and
-    is shared by all spans of one process. ``raw`` is the span's OTLP protobuf
-    encoding as received: the hot ingest path keeps it instead of decoding every
-    attribute, and ``attributes``/``events`` are read from it on first use.
+    is shared by all spans of one process. ``message`` is the span's OTLP
+    protobuf message as received (``raw`` its encoding): the hot ingest path
+    keeps it instead of decoding every attribute, and ``attributes``/``events``
+    are read from it on first use.
     """
 
-    __slots__ = ("_attributes", "_events", "end_unix_nano", "host", "kind", "name", "parent_span_id", "raw",
-                 "resource", "service", "span_id", "start_unix_nano", "status", "trace_id")
+    __slots__ = ("_attributes", "_events", "end_unix_nano", "host", "kind", "message", "name", "parent_span_id",
+                 "raw", "resource", "service", "span_id", "start_unix_nano", "status", "trace_id")
 
     def __init__(self, *, trace_id: bytes, span_id: bytes, parent_span_id: bytes | None, service: str,
                  host: str | None, name: str, kind: SpanKind, start_unix_nano: int, end_unix_nano: int,
                  status: StatusCode, attributes: dict[str, Any] | None = None,
                  resource: dict[str, Any] | None = None, events: list[dict[str, Any]] | None = None,
-                 raw: bytes = b"") -> None:
+                 raw: bytes = b"", message: Any = None) -> None:
         self.trace_id = trace_id
         self.span_id = span_id
         self.parent_span_id = parent_span_id
@@ -69,9 +70,10 @@ class Span:
         self.status = status
         self.resource = resource if resource is not None else {}
         self.raw = raw
+        self.message = message
         self._attributes = attributes
         self._events = events
-        if not raw and attributes is None:
+        if not raw and message is None and attributes is None:
             self._attributes = {}
 
     @property
@@ -83,7 +85,7 @@ class Span:
     @property
     def events(self) -> list[dict[str, Any]]:
         if self._events is None:
-            if self.raw:
+            if self.raw or self.message is not None:
                 self._decode_raw()
             else:
                 self._events = []
@@ -92,7 +94,7 @@ class Span:
     def _decode_raw(self) -> None:
         from spikehound.otlp import decode_span_details  # the model stays importable without protobuf
 
-        attributes, events = decode_span_details(self.raw)
+        attributes, events = decode_span_details(self.message if self.message is not None else self.raw)
         if self._attributes is None:
             self._attributes = attributes
         if self._events is None:

@@ -106,6 +106,8 @@ class Decoded:
     points: list[MetricPoint] = field(default_factory=list)
     rejected: int = 0
     errors: list[str] = field(default_factory=list)
+    # The request re-encoded with exactly the accepted spans (what storage keeps), set by decode_spans.
+    payload: bytes = b""
 
     def reject(self, message: str) -> None:
         self.rejected += 1
@@ -186,41 +188,69 @@ def parse_trace_request(body: bytes, *, json: bool = False) -> ExportTraceServic
     return req
 
 
-def decode_spans(req: ExportTraceServiceRequest, host_override: str | None = None) -> Decoded:
-    """Validate and convert every span of a request."""
+def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
+                 trace_id: bytes | None = None) -> Decoded:
+    """Validate and convert every span of a request (only those of ``trace_id`` when given).
+
+    ``payload`` of the result is ``body`` (the request as received) when every span is
+    valid, else the request re-encoded without the rejected spans.
+    """
     out = Decoded()
     spans = out.spans
     index = 0
-    for rs in req.resource_spans:
+    invalid: list[tuple[int, int, int]] = []  # (resource, scope, span) positions of rejected spans
+    for ri, rs in enumerate(req.resource_spans):
         resource = attributes(rs.resource.attributes)
         service = resource.pop("service.name", None) or UNKNOWN_SERVICE
-        host = host_override or resource.pop("host.name", None)
-        resource.pop("host.name", None)
+        host = resource.pop("host.name", None)
         if not isinstance(service, str):
             service = str(service)
-        for ss in rs.scope_spans:
-            for sp in ss.spans:
-                problem = _span_problem(sp)
-                if problem:
-                    out.reject(f"span {index} ({sp.name[:80]}): {problem}")
+        for si, ss in enumerate(rs.scope_spans):
+            for pi, sp in enumerate(ss.spans):
+                # Hot path: read each field once and check inline; _span_problem words the rare failure.
+                tid, span_id, parent = sp.trace_id, sp.span_id, sp.parent_span_id
+                if trace_id is not None and tid != trace_id:
+                    continue
+                start, end = sp.start_time_unix_nano, sp.end_time_unix_nano
+                if (len(tid) != 16 or len(span_id) != 8 or (parent and len(parent) != 8)
+                        or tid == _ZERO_TRACE or span_id == _ZERO_SPAN
+                        or not start or end < start or end > MAX_TIME_NS):
+                    out.reject(f"span {index} ({sp.name[:80]}): {_span_problem(sp)}")
+                    invalid.append((ri, si, pi))
                 else:
-                    parent = sp.parent_span_id
                     spans.append(Span(
-                        trace_id=sp.trace_id,
-                        span_id=sp.span_id,
-                        parent_span_id=parent if parent else None,
+                        trace_id=tid,
+                        span_id=span_id,
+                        parent_span_id=parent or None,
                         service=service,
                         host=host,
                         name=sp.name,
                         kind=_KINDS.get(sp.kind, SpanKind.INTERNAL),
-                        start_unix_nano=sp.start_time_unix_nano,
-                        end_unix_nano=sp.end_time_unix_nano,
-                        status=_STATUSES.get(sp.status.code, StatusCode.UNSET),
+                        start_unix_nano=start,
+                        end_unix_nano=end,
+                        status=_STATUSES.get(sp.status.code, StatusCode.UNSET) if sp.HasField("status")
+                        else StatusCode.UNSET,
                         resource=resource,
-                        raw=sp.SerializeToString(),  # attributes and events are decoded only when read
+                        message=sp,  # attributes and events are decoded only when read
                     ))
                 index += 1
+    if trace_id is None:
+        out.payload = _without(req, invalid) if invalid else (body if body is not None else req.SerializeToString())
     return out
+
+
+def spans_of_trace(payload: bytes, trace_id: bytes) -> list[Span]:
+    """The valid spans of ``trace_id`` in an encoded ExportTraceServiceRequest (a stored span block)."""
+    return decode_spans(ExportTraceServiceRequest.FromString(payload), trace_id=trace_id).spans
+
+
+def _without(req: ExportTraceServiceRequest, positions: list[tuple[int, int, int]]) -> bytes:
+    """The request encoded without the spans at ``positions``."""
+    kept = ExportTraceServiceRequest()
+    kept.CopyFrom(req)
+    for ri, si, pi in reversed(positions):  # from the back, so earlier positions stay valid
+        del kept.resource_spans[ri].scope_spans[si].spans[pi]
+    return kept.SerializeToString()
 
 
 def _span_problem(sp: trace_pb2.Span) -> str | None:
@@ -247,15 +277,18 @@ def _event(e: trace_pb2.Span.Event) -> dict[str, Any]:
     return {"name": e.name, "time_unix_nano": e.time_unix_nano, "attributes": attributes(e.attributes)}
 
 
-def decode_span_details(raw: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Attributes and events of a span from its OTLP encoding (``Span.raw``)."""
-    sp = trace_pb2.Span.FromString(raw)
+def decode_span_details(raw: bytes | trace_pb2.Span) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Attributes and events of a span from its OTLP message or encoding (``Span.message``/``Span.raw``)."""
+    sp = raw if isinstance(raw, trace_pb2.Span) else trace_pb2.Span.FromString(raw)
     return attributes(sp.attributes), [_event(e) for e in sp.events]
 
 
 def encode_span(s: Span) -> trace_pb2.Span:
     """The OTLP message of one span (ids, timing, status, attributes, events)."""
-    if s.raw:
+    if s.message is not None:
+        out = trace_pb2.Span()
+        out.CopyFrom(s.message)
+    elif s.raw:
         out = trace_pb2.Span.FromString(s.raw)
     else:
         out = trace_pb2.Span(trace_id=s.trace_id, span_id=s.span_id, name=s.name, kind=int(s.kind),
@@ -296,16 +329,17 @@ def parse_metrics_request(body: bytes, *, json: bool = False) -> ExportMetricsSe
     return req
 
 
-def decode_metrics(req: ExportMetricsServiceRequest, host_override: str | None = None) -> Decoded:
+def decode_metrics(req: ExportMetricsServiceRequest, body: bytes | None = None) -> Decoded:
     """Convert gauge and sum points into resource samples keyed by ``host.name``.
 
     Histograms and summaries are not resource samples: they are rejected with a
     reason (reported back through ``partial_success``), never silently dropped.
+    ``body`` is accepted for symmetry with ``decode_spans``; samples are stored as rows.
     """
     out = Decoded()
     for rm in req.resource_metrics:
         resource = attributes(rm.resource.attributes)
-        host = host_override or resource.get("host.name")
+        host = resource.get("host.name")
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 which = metric.WhichOneof("data")
@@ -354,6 +388,19 @@ def decode_metrics(req: ExportMetricsServiceRequest, host_override: str | None =
                         start_unix_nano=dp.start_time_unix_nano,
                     ))
     return out
+
+
+def count_items(req: ExportTraceServiceRequest | ExportMetricsServiceRequest) -> int:
+    """Spans or data points in a request, without decoding them (cheap: for early refusals)."""
+    if isinstance(req, ExportTraceServiceRequest):
+        return sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+    total = 0
+    for rm in req.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                which = m.WhichOneof("data")
+                total += len(getattr(m, which).data_points) if which else 0
+    return total
 
 
 # --- parsing ----------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine, and_, func, select
 
-from spikehound.model import Cause, CauseKind, LatencyWindow, Span, SpanKind, Spike, StatusCode
+from spikehound.model import Cause, CauseKind, LatencyWindow, Span, Spike
+from spikehound.otlp import spans_of_trace
 from storage import schema
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
@@ -46,23 +47,19 @@ class Reader:
             conn.exec_driver_sql("SELECT 1")
 
     def trace(self, trace_id: bytes) -> list[Span]:
-        s, r = schema.spans, schema.resources
-        query = (select(s, r.c.attributes.label("resource_attributes"))
-                 .join(r, r.c.id == s.c.resource_id, isouter=True)
-                 .where(s.c.trace_id == trace_id).order_by(s.c.start_ns).limit(MAX_TRACE_SPANS))
-        resources: dict[int, dict[str, Any]] = {}
-        spans = []
+        """Every span of a trace, oldest first; a span stored twice (a retried export) is served once."""
+        b, t = schema.span_blocks, schema.trace_blocks
+        query = (select(b.c.payload).join(t, t.c.block_id == b.c.id)
+                 .where(t.c.trace_id == trace_id).order_by(b.c.id))
+        seen: set[bytes] = set()
+        spans: list[Span] = []
         with self.engine.connect() as conn:
-            for row in conn.execute(query):
-                resource = resources.get(row.resource_id)
-                if resource is None:
-                    resource = resources[row.resource_id] = orjson.loads(row.resource_attributes or "{}")
-                spans.append(Span(
-                    trace_id=bytes(row.trace_id), span_id=bytes(row.span_id),
-                    parent_span_id=bytes(row.parent_span_id) if row.parent_span_id else None,
-                    service=row.service, host=row.host, name=row.name, kind=SpanKind(row.kind),
-                    start_unix_nano=row.start_ns, end_unix_nano=row.start_ns + row.duration_ns,
-                    status=StatusCode(row.status), resource=resource, raw=bytes(row.otlp)))
+            for (payload,) in conn.execute(query):
+                for span in spans_of_trace(bytes(payload), trace_id):
+                    if span.span_id not in seen and len(spans) < MAX_TRACE_SPANS:
+                        seen.add(span.span_id)
+                        spans.append(span)
+        spans.sort(key=lambda s: (s.start_unix_nano, s.span_id))
         return spans
 
     def services(self) -> list[tuple[str, list[str]]]:

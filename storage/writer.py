@@ -1,14 +1,14 @@
 """The single batched writer: one transaction per batch, acknowledged after commit.
 
-Writes are idempotent: a span is identified by (trace_id, span_id) and a
-sample by (series, time), so a sender that retries after a lost answer does
-not create duplicates. Small lookup tables (resources, operations, hosts,
+Spans are written as blocks (one per export request) plus one trace-index row
+per (trace, block). A sender that retries after a lost answer stores its block
+again; readers serve each (trace_id, span_id) once. Samples are identified by
+(series, time) and stored once. Small lookup tables (operations, hosts,
 series) are cached so that the hot path only inserts what is new.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,17 +19,29 @@ from sqlalchemy import Engine, String, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from spikehound.model import LatencyWindow, MetricPoint, Span, Spike
-from spikehound.otlp import encode_span
+from spikehound.otlp import encode_spans
 from storage import schema
 
 HOST_TOUCH_INTERVAL_NS = 1_000_000_000  # hosts.last_seen_at is refreshed at most once a second
 
 
+@dataclass(slots=True, frozen=True)
+class SpanBlock:
+    """One export request as stored: its OTLP encoding and the spans it holds."""
+
+    payload: bytes  # ExportTraceServiceRequest with exactly ``spans``
+    spans: Sequence[Span]
+
+
 @dataclass(slots=True)
 class WriteBatch:
-    """Everything one transaction commits."""
+    """Everything one transaction commits.
+
+    ``spans`` are stored as ``blocks``; without blocks they are encoded into one.
+    """
 
     spans: Sequence[Span] = ()
+    blocks: Sequence[SpanBlock] = ()
     points: Sequence[MetricPoint] = ()
     windows: Sequence[LatencyWindow] = ()
     spikes: Sequence[Spike] = ()
@@ -61,24 +73,14 @@ def _fit_rows(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-_SERVICE_MAX = schema.spans.c.service.type.length
-_HOST_MAX = schema.spans.c.host.type.length
-_NAME_MAX = schema.spans.c.name.type.length
 
 
 def _json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
 
 
-def resource_id(service: str, attributes: dict[str, Any]) -> int:
-    """A stable signed 64-bit id for a resource, from its content."""
-    digest = hashlib.blake2b(_json([service, attributes]).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
 @dataclass(slots=True)
 class _Caches:
-    resources: set[int] = field(default_factory=set)
     operations: set[tuple[str, str]] = field(default_factory=set)
     series: dict[tuple[str, str, str], int] = field(default_factory=dict)
     host_touched: dict[str, int] = field(default_factory=dict)
@@ -92,12 +94,11 @@ class Writer:
         dialect = engine.dialect.name
         self._insert = sqlite.insert if dialect == "sqlite" else postgresql.insert
         self._cache = _Caches()
-        # The span insert is the hot path: plain DB-API executemany on tuples, no per-row Core processing.
+        self._block = schema.span_blocks.insert().returning(schema.span_blocks.c.id)
+        # One index row per (trace, block): plain DB-API executemany on tuples, no per-row Core processing.
         mark = "?" if dialect == "sqlite" else "%s"
-        columns = [c.name for c in schema.spans.columns]
-        self._span_sql = (f"INSERT INTO spans ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))}) "
-                          "ON CONFLICT DO NOTHING")
-        self._resources = self._insert(schema.resources).on_conflict_do_nothing()
+        self._trace_block_sql = (f"INSERT INTO trace_blocks (trace_id, block_id) VALUES ({mark}, {mark}) "
+                                 "ON CONFLICT DO NOTHING")
         self._operations = self._insert(schema.operations).on_conflict_do_nothing()
         self._points = self._insert(schema.metric_points).on_conflict_do_nothing()
         self._series = self._insert(schema.metric_series).on_conflict_do_nothing()
@@ -121,7 +122,7 @@ class Writer:
         pending = _Caches()
         with self.engine.begin() as conn:
             if batch.spans:
-                self._write_spans(conn, batch.spans, now_s, pending)
+                self._write_spans(conn, batch, now_s, pending)
             if batch.points:
                 self._write_points(conn, batch.points, now_s, pending)
             hosts = {s.host for s in batch.spans if s.host} | {p.host for p in batch.points}
@@ -136,41 +137,30 @@ class Writer:
             if batch.spikes:
                 self._write_spikes(conn, batch.spikes)
         # Only committed rows may enter the caches, or a rolled-back insert would be skipped forever.
-        self._cache.resources |= pending.resources
         self._cache.operations |= pending.operations
         self._cache.series.update(pending.series)
         self._cache.host_touched.update(pending.host_touched)
 
-    def _write_spans(self, conn: Any, spans: Sequence[Span], now_s: int, pending: _Caches) -> None:
+    def _write_spans(self, conn: Any, batch: WriteBatch, now_s: int, pending: _Caches) -> None:
         cache = self._cache
-        by_resource: dict[int, int] = {}  # id(resource dict) -> resource id; spans share the dict
-        new_resources: list[dict[str, Any]] = []
         new_operations: list[dict[str, Any]] = []
-        rows: list[tuple[Any, ...]] = []
-        for s in spans:
-            rid = by_resource.get(id(s.resource))
-            if rid is None:
-                rid = by_resource[id(s.resource)] = resource_id(s.service, s.resource)
-                if rid not in cache.resources and rid not in pending.resources:
-                    pending.resources.add(rid)
-                    new_resources.append({"id": rid, "service": s.service, "attributes": _json(s.resource)})
+        for s in batch.spans:
             op = (s.service, s.name)
             if op not in cache.operations and op not in pending.operations:
                 pending.operations.add(op)
                 new_operations.append({"service": s.service, "name": s.name, "first_seen_at": now_s})
-            service, host, name = s.service, s.host, s.name
-            if (len(name) > _NAME_MAX or len(service) > _SERVICE_MAX or "\x00" in name or "\x00" in service
-                    or (host is not None and (len(host) > _HOST_MAX or "\x00" in host))):  # inline: hot path
-                service, name = _fit(service, _SERVICE_MAX), _fit(name, _NAME_MAX)
-                host = host if host is None else _fit(host, _HOST_MAX)
-            rows.append((s.trace_id, s.span_id, s.parent_span_id, service, host, name, int(s.kind),
-                         s.start_unix_nano, s.end_unix_nano - s.start_unix_nano, int(s.status), rid,
-                         s.raw or encode_span(s).SerializeToString(), now_s))
-        if new_resources:
-            conn.execute(self._resources, _fit_rows(schema.resources, new_resources))
         if new_operations:
             conn.execute(self._operations, _fit_rows(schema.operations, new_operations))
-        conn.exec_driver_sql(self._span_sql, rows)
+        blocks = batch.blocks or [SpanBlock(encode_spans(batch.spans).SerializeToString(), batch.spans)]
+        index_rows: list[tuple[bytes, int]] = []
+        for block in blocks:
+            block_id = conn.execute(self._block, {
+                "ingested_at": now_s, "span_count": len(block.spans),
+                "start_ns": min(s.start_unix_nano for s in block.spans),
+                "end_ns": max(s.end_unix_nano for s in block.spans), "payload": block.payload,
+            }).scalar_one()
+            index_rows.extend((trace_id, block_id) for trace_id in {s.trace_id for s in block.spans})
+        conn.exec_driver_sql(self._trace_block_sql, index_rows)
 
     def _write_points(self, conn: Any, points: Sequence[MetricPoint], now_s: int, pending: _Caches) -> None:
         rows = []

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from spikehound.config import Config, load
 
@@ -147,3 +148,131 @@ class CollectorProcess:
     @property
     def http_endpoint(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+
+def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    """This process's environment without its SPIKEHOUND_* variables (the test sets its own), plus ``extra``.
+
+    A developer's SPIKEHOUND_TEST_* knobs would otherwise reach the daemon's configuration as unknown settings.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEHOUND_")}
+    env.update(extra or {})
+    return env
+
+
+class AgentProcess:
+    """``spikehound agent`` as a child process on free loopback ports, forwarding to ``collector``.
+
+    Other settings come as ``env`` (``SPIKEHOUND_AGENT_*``). ``start`` may be called again after
+    ``terminate``/``kill``: the agent comes back on the same ports, spool and data directory.
+    """
+
+    def __init__(self, collector: str, workdir: Path, *, spool_dir: Path | None = None,
+                 data_dir: Path | None = None, interval: float | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.collector = collector
+        self.workdir = workdir
+        self.spool_dir = spool_dir or workdir / "agent-spool"
+        self.data_dir = data_dir or workdir / "agent-data"
+        self.interval = interval
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.env = _child_env({"SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{self.metrics_port}",
+                               "SPIKEHOUND_AGENT_SPOOL_DIR": str(self.spool_dir),
+                               "SPIKEHOUND_DATA_DIR": str(self.data_dir), **(env or {})})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._log: BinaryIO | None = None
+
+    def start(self, timeout: float = 60) -> AgentProcess:
+        """Start the agent; return once /healthz answers and both OTLP receivers accept connections."""
+        exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
+        self.starts += 1
+        self._close_log()
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives with the process, closed by kill/terminate
+        args = [exe, "agent", "--collector", self.collector, "--otlp-grpc", f"127.0.0.1:{self.grpc_port}",
+                "--otlp-http", f"127.0.0.1:{self.http_port}"]
+        if self.interval is not None:
+            args += ["--interval", str(self.interval)]
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise RuntimeError(f"agent exited with {self.proc.returncode}: {self.log_tail()}")
+            if self._healthy() and all(_accepts(port) for port in (self.grpc_port, self.http_port)):
+                return self
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"agent not healthy in {timeout} s: {self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.metrics_url}/healthz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"agent-{self.starts}.log"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._close_log()
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM and wait; the exit status (raises TimeoutExpired past ``timeout``)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of the agent's /metrics: (name, sorted labels) -> value."""
+        text = requests.get(f"{self.metrics_url}/metrics", timeout=5).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples called ``name`` whose labels include ``labels``; 0 when there are none."""
+        wanted = set(labels.items())
+        return sum(value for (sample, sample_labels), value in self.metrics().items()
+                   if sample == name and wanted <= set(sample_labels))
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False

@@ -1,8 +1,9 @@
-"""Initial schema: spans, resources, operations, hosts, metric samples, latency windows, spikes, causes.
+"""Initial schema: span blocks with their trace index, operations, hosts, metric samples,
+latency windows, spikes and causes.
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 11:37:59.952181
+Create Date: 2026-11-30 12:18:57.917768
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def upgrade() -> None:
         sa.Column("max_ns", sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint("service", "operation", "start_ns", name="pk_latency_windows"),
     )
+    with op.batch_alter_table("latency_windows", schema=None) as batch_op:
+        batch_op.create_index("ix_latency_windows_service_start", ["service", "start_ns"], unique=False)
+
     op.create_table(
         "metric_points",
         sa.Column("series_id", sa.Integer(), nullable=False),
@@ -86,31 +90,17 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("service", "name", name="pk_operations"),
     )
     op.create_table(
-        "resources",
-        sa.Column("id", sa.BigInteger(), autoincrement=False, nullable=False),
-        sa.Column("service", sa.String(length=255), nullable=False),
-        sa.Column("attributes", sa.Text(), nullable=False),
+        "span_blocks",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
+        sa.Column("ingested_at", sa.BigInteger(), nullable=False),
+        sa.Column("span_count", sa.Integer(), nullable=False),
+        sa.Column("start_ns", sa.BigInteger(), nullable=False),
+        sa.Column("end_ns", sa.BigInteger(), nullable=False),
+        sa.Column("payload", sa.LargeBinary(), nullable=False),
         sa.PrimaryKeyConstraint("id"),
     )
-    op.create_table(
-        "spans",
-        sa.Column("trace_id", sa.LargeBinary(length=16), nullable=False),
-        sa.Column("span_id", sa.LargeBinary(length=8), nullable=False),
-        sa.Column("parent_span_id", sa.LargeBinary(length=8), nullable=True),
-        sa.Column("service", sa.String(length=255), nullable=False),
-        sa.Column("host", sa.String(length=255), nullable=True),
-        sa.Column("name", sa.String(length=1024), nullable=False),
-        sa.Column("kind", sa.SmallInteger(), nullable=False),
-        sa.Column("start_ns", sa.BigInteger(), nullable=False),
-        sa.Column("duration_ns", sa.BigInteger(), nullable=False),
-        sa.Column("status", sa.SmallInteger(), nullable=False),
-        sa.Column("resource_id", sa.BigInteger(), nullable=False),
-        sa.Column("otlp", sa.LargeBinary(), nullable=False),
-        sa.Column("ingested_at", sa.BigInteger(), nullable=False),
-        sa.UniqueConstraint("trace_id", "span_id", name="uq_spans_trace_span"),
-    )
-    with op.batch_alter_table("spans", schema=None) as batch_op:
-        batch_op.create_index("ix_spans_ingested_at", ["ingested_at"], unique=False)
+    with op.batch_alter_table("span_blocks", schema=None) as batch_op:
+        batch_op.create_index("ix_span_blocks_ingested_at", ["ingested_at"], unique=False)
 
     op.create_table(
         "spikes",
@@ -129,18 +119,30 @@ def upgrade() -> None:
         batch_op.create_index("ix_spikes_service_start", ["service", "start_ns"], unique=False)
         batch_op.create_index("ix_spikes_start", ["start_ns"], unique=False)
 
+    op.create_table(
+        "trace_blocks",
+        sa.Column("trace_id", sa.LargeBinary(length=16), nullable=False),
+        sa.Column("block_id", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("trace_id", "block_id", name="pk_trace_blocks"),
+    )
+    with op.batch_alter_table("trace_blocks", schema=None) as batch_op:
+        batch_op.create_index("ix_trace_blocks_block", ["block_id"], unique=False)
+
 
 def downgrade() -> None:
+    with op.batch_alter_table("trace_blocks", schema=None) as batch_op:
+        batch_op.drop_index("ix_trace_blocks_block")
+
+    op.drop_table("trace_blocks")
     with op.batch_alter_table("spikes", schema=None) as batch_op:
         batch_op.drop_index("ix_spikes_start")
         batch_op.drop_index("ix_spikes_service_start")
 
     op.drop_table("spikes")
-    with op.batch_alter_table("spans", schema=None) as batch_op:
-        batch_op.drop_index("ix_spans_ingested_at")
+    with op.batch_alter_table("span_blocks", schema=None) as batch_op:
+        batch_op.drop_index("ix_span_blocks_ingested_at")
 
-    op.drop_table("spans")
-    op.drop_table("resources")
+    op.drop_table("span_blocks")
     op.drop_table("operations")
     with op.batch_alter_table("metric_series", schema=None) as batch_op:
         batch_op.drop_index("ix_metric_series_name")
@@ -150,6 +152,9 @@ def downgrade() -> None:
         batch_op.drop_index("ix_metric_points_ingested_at")
 
     op.drop_table("metric_points")
+    with op.batch_alter_table("latency_windows", schema=None) as batch_op:
+        batch_op.drop_index("ix_latency_windows_service_start")
+
     op.drop_table("latency_windows")
     op.drop_table("hosts")
     op.drop_table("causes")
