@@ -41,7 +41,7 @@ def _expire_blocks(engine: Engine, cutoff_s: int, max_batches: int) -> int:
     spans = 0
     for _ in range(max_batches):
         with engine.begin() as conn:
-            victims = conn.execute(select(b.c.id, b.c.span_count).where(condition).order_by(b.c.id)
+            victims = conn.execute(select(b.c.id, b.c.span_count).where(condition).order_by(b.c.ingested_at)
                                    .limit(DELETE_BLOCKS)).all()
             if not victims:
                 break

@@ -14,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, select
 
 from spikehound.model import (
     Cause,
@@ -27,14 +27,15 @@ from spikehound.model import (
     Spike,
     StatusCode,
 )
-from spikehound.otlp import decode_spans, set_any_value
+from spikehound.otlp import count_items, decode_spans, encode_span, encode_spans, set_any_value
+from storage import reader as reader_module
 from storage import retention
 from storage.engine import make_engine
 from storage.migrate import current_revision, head_revision, upgrade
 from storage.reader import HostSummary, MetricSeries, Reader, count_rows
 from storage.retention import RetentionResult, expire
-from storage.schema import metadata
-from storage.writer import WriteBatch, Writer
+from storage.schema import metadata, span_blocks
+from storage.writer import SpanBlock, WriteBatch, Writer
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -81,6 +82,13 @@ def window(start: int, p99_ms: float, *, service: str = "gateway", operation: st
                          count=count, p50_ns=p99 // 4, p95_ns=p99 // 2, p99_ns=p99, max_ns=p99 + MS)
 
 
+def stored_blocks(engine: Engine) -> list[tuple[int, bytes]]:
+    """(span_count, payload) of every stored span block, oldest first."""
+    with engine.connect() as conn:
+        return [(n, bytes(payload)) for n, payload in conn.execute(
+            select(span_blocks.c.span_count, span_blocks.c.payload).order_by(span_blocks.c.id))]
+
+
 @pytest.fixture
 def engine(db_url: str) -> Iterator[Engine]:
     eng = make_engine(db_url)
@@ -96,7 +104,7 @@ def test_upgrade_reaches_head_is_idempotent_and_matches_the_schema(db_url):
     eng = make_engine(db_url)
     try:
         assert current_revision(eng) is None
-        assert head_revision() is not None
+        assert head_revision() == "0001"
         assert upgrade(eng) == head_revision()
         Writer(eng).write(WriteBatch(spans=[make_span(1, 1)]), now_ns=NOW)
 
@@ -132,8 +140,12 @@ def test_spans_built_in_code_round_trip_with_attributes_events_and_resource(engi
     got = Reader(engine).trace(tid(1))
 
     assert [view(s) for s in got] == [view(s) for s in (root, client, child)]  # ordered by start time
+    assert [s.message for s in got] == [encode_span(s) for s in (root, client, child)]
     assert got[2].events[0]["attributes"]["exception.message"] == "CUDA OOM"
+    assert [s.span_id for s in Reader(engine).trace(tid(2))] == [sid(9)]
     assert Reader(engine).trace(tid(3)) == []
+    assert count_rows(engine, "span_blocks") == 1  # one batch without blocks: its spans are encoded into one
+    assert count_rows(engine, "trace_blocks") == 2  # indexed once per trace it holds
 
 
 def _otlp_request() -> tuple[ExportTraceServiceRequest, list[trace_pb2.Span]]:
@@ -176,24 +188,74 @@ def test_spans_decoded_from_otlp_round_trip_keeping_the_whole_message(engine):
     assert (child.parent_span_id, child.kind, child.status, child.attributes) == (
         sid(1), SpanKind.INTERNAL, StatusCode.UNSET, {})
     # Links, trace state and the status message are not shown by the API yet, but nothing is thrown away.
-    assert [trace_pb2.Span.FromString(s.raw) for s in (root, child)] == sent
+    assert [s.message for s in (root, child)] == sent
+    assert [encode_span(s) for s in (root, child)] == sent
     assert [view(s) for s in (root, child)] == [view(s) for s in decoded]
 
 
-def test_a_retried_batch_stores_each_span_once(engine):
+def test_a_request_is_stored_as_received_minus_its_rejected_spans(engine):
+    """The collector's path: one block per export request, holding the request's own bytes."""
+    req, sent = _otlp_request()
+    body = req.SerializeToString()
+    whole = decode_spans(req, body)
+    assert whole.payload is body  # every span valid: the bytes as received, not re-encoded
+    other = ExportTraceServiceRequest()
+    other.CopyFrom(req)
+    spans = other.resource_spans[0].scope_spans[0].spans
+    spans.add(trace_id=tid(6), span_id=sid(1), name="GET /a", start_time_unix_nano=T0, end_time_unix_nano=T0 + MS)
+    spans.add(trace_id=tid(6), span_id=b"\x02" * 4, name="broken", start_time_unix_nano=T0,
+              end_time_unix_nano=T0 + MS)
+    partial = decode_spans(other, other.SerializeToString())
+    assert (len(partial.spans), partial.rejected) == (3, 1)
+
+    Writer(engine).write(WriteBatch(spans=whole.spans + partial.spans,
+                                    blocks=[SpanBlock(whole.payload, whole.spans),
+                                            SpanBlock(partial.payload, partial.spans)]), now_ns=NOW)
+
+    (first, n1), (second, n2) = [(payload, n) for n, payload in stored_blocks(engine)]
+    assert (first, n1) == (body, 2)
+    assert (count_items(ExportTraceServiceRequest.FromString(second)), n2) == (3, 3)  # the broken span is gone
+    reader = Reader(engine)
+    assert [s.message for s in reader.trace(tid(5))] == sent  # in both blocks, served once
+    assert [s.name for s in reader.trace(tid(6))] == ["GET /a"]
+    assert count_rows(engine, "trace_blocks") == 3  # (5, first), (5, second), (6, second)
+
+
+def test_a_retried_batch_is_served_once(engine):
     spans = [make_span(1, 1), make_span(1, 2, 1, name="forward"), make_span(2, 1)]
     batch = WriteBatch(spans=spans, points=[point(T0, 0.5)])
     writer = Writer(engine)
     writer.write(batch, now_ns=NOW)
     writer.write(batch, now_ns=NOW + S)  # the sender never saw the answer and sent it again
     Writer(engine).write(batch, now_ns=NOW + 2 * S)  # ... to a restarted collector, with empty caches
+    # ... and once more inside one batch, next to the rest of its trace that came in another request
+    late = make_span(1, 3, 2, name="forward", start=T0 + MS)
+    again = SpanBlock(stored_blocks(engine)[0][1], spans)
+    late_block = SpanBlock(encode_spans([late]).SerializeToString(), [late])
+    writer.write(WriteBatch(spans=[*spans, late], blocks=[again, again, late_block]), now_ns=NOW + 3 * S)
 
     reader = Reader(engine)
-    assert [s.span_id for s in reader.trace(tid(1))] == [sid(1), sid(2)]
-    assert count_rows(engine, "spans") == 3
+    got = reader.trace(tid(1))
+    assert [s.span_id for s in got] == [sid(1), sid(2), sid(3)]  # each span once, by start time
+    assert [view(s) for s in got] == [view(s) for s in (spans[0], spans[1], late)]
+    assert [s.span_id for s in reader.trace(tid(2))] == [sid(1)]
+    assert count_rows(engine, "span_blocks") == 6  # retries are stored again: reading takes care of them
+    assert count_rows(engine, "operations") == 2  # one row per operation, however often it arrives
     assert [(service, sorted(ops)) for service, ops in reader.services()] == [("gateway", ["POST /predict", "forward"])]
     series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
     assert [s.points for s in series] == [((T0, 0.5),)]
+    assert count_rows(engine, "metric_points") == 1
+
+
+def test_a_runaway_trace_is_cut_at_max_trace_spans(engine, monkeypatch):
+    monkeypatch.setattr(reader_module, "MAX_TRACE_SPANS", 3)
+    spans = [make_span(1, s, start=T0 + s * MS) for s in range(1, 6)]
+    writer = Writer(engine)
+    writer.write(WriteBatch(spans=spans[:2]), now_ns=NOW)
+    writer.write(WriteBatch(spans=spans[:2]), now_ns=NOW)  # duplicates do not count against the cap
+    writer.write(WriteBatch(spans=spans[2:]), now_ns=NOW)
+
+    assert [s.span_id for s in Reader(engine).trace(tid(1))] == [sid(1), sid(2), sid(3)]
 
 
 def test_services_list_every_operation_once(engine):
@@ -311,20 +373,29 @@ def test_a_nan_sample_is_rejected_to_its_sender_and_infinity_is_stored(engine):
 
 
 def test_names_the_columns_cannot_hold_are_cut_to_fit_not_failing_the_batch(engine):
-    """PostgreSQL refuses over-long VARCHARs and NUL characters; a sender's odd span must not poison the batch."""
+    """PostgreSQL refuses over-long VARCHARs and NUL characters; a sender's odd span must not poison the batch.
+
+    Spans themselves are kept whole in their block; only the lookup rows (operations, hosts, windows, series) are cut.
+    """
     long_name = "SELECT " + "x, " * 600 + "y FROM t"  # some database instrumentations name spans by the query
     odd = make_span(1, 1, service="s" * 300, host="h\x00st", name=long_name)
-    Writer(engine).write(WriteBatch(spans=[odd, make_span(2, 1)],
+    # Two names that differ only past the column width become one operation row, in the same batch.
+    twin = make_span(1, 2, 1, service="s" * 300, host="h\x00st", name=long_name + " LIMIT 1", start=T0 + MS)
+    nul = make_span(3, 1, service="model", name="GET /\x00x")
+    Writer(engine).write(WriteBatch(spans=[odd, twin, make_span(2, 1), nul],
                                     points=[point(T0, 1.0, host="gpu-1", name="m" * 300, unit="u" * 100)],
                                     windows=[window(T0, 50, service="s" * 300, operation=long_name)]), now_ns=NOW)
     reader = Reader(engine)
 
-    (stored,) = reader.trace(tid(1))
-    assert stored.service == "s" * 255
-    assert stored.name == long_name[:1024]
-    assert stored.host == "h\ufffdst"
+    stored, stored_twin = reader.trace(tid(1))
+    assert (stored.service, stored.name, stored.host) == ("s" * 300, long_name, "h\x00st")  # intact
+    assert stored_twin.name == long_name + " LIMIT 1"
+    assert [s.message for s in (stored, stored_twin)] == [encode_span(odd), encode_span(twin)]
+    assert [s.name for s in reader.trace(tid(3))] == ["GET /\x00x"]
     assert len(reader.trace(tid(2))) == 1
     assert ("s" * 255, [long_name[:1024]]) in reader.services()
+    assert ("model", ["GET /\ufffdx"]) in reader.services()
+    assert "h\ufffdst" in [h.host for h in reader.hosts()]
     assert [w.p99_ns for w in reader.latency("s" * 255, long_name[:1024], 0, FOREVER)] == [50 * MS]
     series, _ = reader.metrics("gpu-1", "m" * 255, 0, FOREVER)
     assert [(s.unit, s.points) for s in series] == [("u" * 64, ((T0, 1.0),))]
@@ -451,6 +522,7 @@ def test_a_failed_write_leaves_nothing_behind_and_the_writer_keeps_working(engin
         writer.write(bad, now_ns=NOW)
 
     assert reader.trace(tid(7)) == []
+    assert count_rows(engine, "span_blocks") == count_rows(engine, "trace_blocks") == 0
     assert reader.services() == []
     assert reader.hosts() == []
     assert reader.metrics("gpu-9", None, 0, FOREVER) == ([], False)
@@ -473,10 +545,13 @@ def test_a_failed_write_leaves_nothing_behind_and_the_writer_keeps_working(engin
 def test_retention_removes_what_arrived_before_the_cutoff_and_keeps_spike_exemplars(engine):
     writer, reader = Writer(engine), Reader(engine)
     old, recent = NOW - 10 * DAY_S * S, NOW
-    writer.write(WriteBatch(spans=[make_span(1, 1), make_span(1, 2, 1, name="forward"),  # plain old trace
-                                   make_span(2, 1), make_span(2, 2, 1, name="forward")],  # old, a spike's exemplar
-                            points=[point(T0 + i * S, float(i)) for i in range(5)],
-                            windows=[window(T0, 30)]), now_ns=old)
+    plain = WriteBatch(spans=[make_span(1, 1), make_span(1, 2, 1, name="forward")],  # a plain old trace ...
+                       points=[point(T0 + i * S, float(i)) for i in range(5)], windows=[window(T0, 30)])
+    writer.write(plain, now_ns=old)
+    writer.write(plain, now_ns=old + S)  # ... and its retry
+    # A spike's exemplar (trace 2), sharing its request with trace 4, and the rest of trace 2 in another request.
+    writer.write(WriteBatch(spans=[make_span(2, 1), make_span(4, 1, name="GET /health")]), now_ns=old)
+    writer.write(WriteBatch(spans=[make_span(2, 2, 1, name="forward")]), now_ns=old)
     writer.write(WriteBatch(spans=[make_span(3, 1, start=T0 - 365 * DAY_S * S)],  # a replay: old event time
                             points=[point(T0 + i * S, float(i)) for i in range(5, 8)],
                             spikes=[dataclasses.replace(SPIKES[0], exemplar_trace_ids=(tid(2), tid(99)))]),
@@ -485,15 +560,18 @@ def test_retention_removes_what_arrived_before_the_cutoff_and_keeps_spike_exempl
 
     result = expire(engine, span_cutoff_s, point_cutoff_s)
 
-    assert result == RetentionResult(spans=2, points=5)
+    assert result == RetentionResult(spans=4, points=5)  # the spans of both copies of trace 1's block
     assert reader.trace(tid(1)) == []
-    assert [s.span_id for s in reader.trace(tid(2))] == [sid(1), sid(2)]
+    assert [s.span_id for s in reader.trace(tid(2))] == [sid(1), sid(2)]  # every block of the exemplar
+    assert len(reader.trace(tid(4))) == 1  # whole blocks are kept: trace 4 stays with the exemplar
     assert len(reader.trace(tid(3))) == 1  # arrival time decides, not event time
+    assert count_rows(engine, "span_blocks") == 3
+    assert count_rows(engine, "trace_blocks") == 4  # (2, 4) -> first block, 2 -> second, 3 -> third
     series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
     assert [t for t, _ in series[0].points] == [T0 + i * S for i in range(5, 8)]
     assert reader.latency("gateway", None, 0, FOREVER) == [window(T0, 30)]  # aggregates are kept
     assert [s.id for s in reader.spikes()] == ["a1"]
-    assert [(service, sorted(ops)) for service, ops in reader.services()] == [("gateway", ["POST /predict", "forward"])]
+    assert reader.services() == [("gateway", ["GET /health", "POST /predict", "forward"])]  # operations are kept
     assert expire(engine, span_cutoff_s, point_cutoff_s) == RetentionResult()
 
 
@@ -512,16 +590,26 @@ def test_retention_cutoffs_are_separate_and_exclusive(engine):
 
 def test_retention_deletes_in_batches_and_bounds_its_work(engine, monkeypatch):
     monkeypatch.setattr(retention, "DELETE_BATCH", 3)
+    monkeypatch.setattr(retention, "DELETE_BLOCKS", 2)
     writer, reader = Writer(engine), Reader(engine)
-    writer.write(WriteBatch(spans=[make_span(t, s, s - 1 if s > 1 else None) for t in range(1, 6) for s in (1, 2)],
-                            points=[point(T0 + i * S, float(i)) for i in range(7)]), now_ns=NOW)
-    writer.write(WriteBatch(spans=[make_span(9, 1)], points=[point(T0 + 100 * S, 1.0)]), now_ns=NOW + DAY_S * S)
+    # Old blocks of trace n hold n spans; trace 6, an exemplar, sits among them and must not stop the batches.
+    for t in (1, 2, 6, 3, 4, 5):
+        writer.write(WriteBatch(spans=[make_span(t, s, s - 1 if s > 1 else None) for s in range(1, t % 6 + 2)]),
+                     now_ns=NOW)
+    writer.write(WriteBatch(points=[point(T0 + i * S, float(i)) for i in range(7)]), now_ns=NOW)
+    writer.write(WriteBatch(spans=[make_span(9, 1)], points=[point(T0 + 100 * S, 1.0)],
+                            spikes=[dataclasses.replace(SPIKES[0], exemplar_trace_ids=(tid(6),))]),
+                 now_ns=NOW + DAY_S * S)
     cutoff_s = (NOW + S) // S
 
-    assert expire(engine, cutoff_s, cutoff_s, max_batches=2) == RetentionResult(spans=6, points=6)
-    assert count_rows(engine, "spans") == 5
-    assert expire(engine, cutoff_s, cutoff_s) == RetentionResult(spans=4, points=1)
-    assert count_rows(engine, "spans") == 1
+    # Two transactions: blocks of traces 1 and 2 (2 + 3 spans), then 3 and 4 (4 + 5 spans).
+    assert expire(engine, cutoff_s, cutoff_s, max_batches=2) == RetentionResult(spans=14, points=6)
+    assert count_rows(engine, "span_blocks") == 3
+    assert [len(reader.trace(tid(t))) for t in (1, 2, 3, 4, 5)] == [0, 0, 0, 0, 6]
+    assert expire(engine, cutoff_s, cutoff_s) == RetentionResult(spans=6, points=1)
+    assert count_rows(engine, "span_blocks") == count_rows(engine, "trace_blocks") == 2
+    assert reader.trace(tid(5)) == []
+    assert len(reader.trace(tid(6))) == 1
     assert len(reader.trace(tid(9))) == 1
     series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
     assert series[0].points == ((T0 + 100 * S, 1.0),)
@@ -530,7 +618,7 @@ def test_retention_deletes_in_batches_and_bounds_its_work(engine, monkeypatch):
 # --- every API query is served by an index (SQLite's plans) -----------------------------------
 
 # Tables that grow with traffic or time. A full scan of one of them is a bug.
-BIG_TABLES = ("spans", "metric_points", "latency_windows", "spikes", "causes")
+BIG_TABLES = ("span_blocks", "trace_blocks", "metric_points", "latency_windows", "spikes", "causes")
 # operations, metric_series and hosts grow with cardinality (services x operations, hosts x metrics), not with
 # traffic, and the API lists them whole (/services, /hosts): reading them in index order is what it should do.
 
@@ -539,8 +627,11 @@ BIG_TABLES = ("spans", "metric_points", "latency_windows", "spikes", "causes")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Reader, list[tuple[str, Any]]]]:
     eng = make_engine(f"sqlite:///{Path(tmp_path_factory.mktemp('plans')) / 'plans.db'}")
     upgrade(eng)
-    Writer(eng).write(WriteBatch(
-        spans=[make_span(t, s, s - 1 if s > 1 else None, name=f"op-{s}") for t in range(1, 30) for s in (1, 2, 3)],
+    writer = Writer(eng)
+    for s in (1, 2, 3):  # every trace spread over three requests
+        writer.write(WriteBatch(spans=[make_span(t, s, s - 1 if s > 1 else None, name=f"op-{s}")
+                                       for t in range(1, 30)]), now_ns=NOW)
+    writer.write(WriteBatch(
         points=[point(T0 + i * S, float(i), host=f"gpu-{i % 3}", attributes={"hw.id": f"GPU-{i % 2}"})
                 for i in range(60)],
         windows=[window(T0 + i * 10 * S, 10, operation=f"op-{i % 3}") for i in range(60)],
@@ -557,7 +648,10 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Reader, 
 
 QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
     # name: (the API's call, fragments the plan must contain)
-    "trace by id": (lambda r: r.trace(tid(3)), ["SEARCH spans USING INDEX", "(trace_id=?)"]),
+    # The trace index's primary key finds the blocks, each read by its own primary key.
+    "trace by id": (lambda r: r.trace(tid(3)),
+                    ["SEARCH trace_blocks USING COVERING INDEX sqlite_autoindex_trace_blocks", "(trace_id=?)",
+                     "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
     "latency of one operation": (lambda r: r.latency("gateway", "op-1", T0, T0 + 3600 * S),
                                  ["SEARCH latency_windows", "operation=?", "start_ns>?", "start_ns<?"]),
     "latency of every operation": (lambda r: r.latency("gateway", None, T0, T0 + 3600 * S),
