@@ -77,11 +77,12 @@ class Agent:
         self.forwarder = Forwarder(self.queue, a.collector, a.collector_token)
         registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge))
         try:
-            runner, self.metrics_port = await start_http(_metrics_app(registry), a.metrics_listen, "agent /metrics")
-            self._runners.append(runner)
             self._grpc, self.grpc_port = await start_grpc(self.intake, a.otlp_grpc, a.max_request_bytes)
             runner, self.http_port = await start_http(http_app(self.intake, a.max_request_bytes), a.otlp_http,
-                                                  "OTLP/HTTP")
+                                                      "OTLP/HTTP")
+            self._runners.append(runner)
+            # Last, so that /healthz answering means the receivers listen.
+            runner, self.metrics_port = await start_http(_metrics_app(registry), a.metrics_listen, "agent /metrics")
             self._runners.append(runner)
         except BaseException:
             await self.stop()
@@ -125,7 +126,7 @@ class Agent:
         self._stopping = True
         if self._grpc is not None:
             await self._grpc.stop(2.0)
-        for runner in self._runners[1:]:
+        for runner in self._runners[:1]:  # the OTLP/HTTP receiver; /metrics stays up while draining
             await runner.cleanup()
         for task in self._tasks:
             task.cancel()
@@ -145,8 +146,8 @@ class Agent:
         if hasattr(self, "sampling"):
             self.sampling.close()
             self.bridge.shutdown()
-        if self._runners:
-            await self._runners[0].cleanup()
+        for runner in self._runners[1:]:
+            await runner.cleanup()
         self._runners.clear()
 
     async def _drain(self, seconds: float) -> None:

@@ -39,9 +39,13 @@ def http_app(intake: Intake, max_request_bytes: int) -> web.Application:
             intake.invalid_requests["http"] += 1
             return web.json_response({"code": 3, "message": f"unsupported Content-Type {request.content_type!r}"},
                                      status=415)
+        encoding = request.headers.get("Content-Encoding", "identity").lower()
+        if encoding not in ("gzip", "identity", ""):
+            intake.invalid_requests["http"] += 1
+            return _status(3, f"unsupported Content-Encoding {encoding!r}; use gzip or none", 415, as_json)
         try:
             body = await request.read()
-            if request.headers.get("Content-Encoding", "").lower() == "gzip":
+            if encoding == "gzip":
                 try:
                     body = gunzip(body, max_request_bytes)
                 except PayloadError:  # accept() counts the requests it cannot read; count a broken gzip too

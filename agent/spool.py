@@ -151,10 +151,12 @@ class DiskSpool:
     def prepend(self, items: list[Item]) -> list[Item]:
         """Put ``items`` (older than everything spooled) at the head, in order; return those that did not fit."""
         fitting: list[Item] = []
+        size = 0
         for item in items:
-            if not self.has_room(item.size + sum(i.size for i in fitting)):
+            if not self.has_room(size + item.size):
                 break
             fitting.append(item)
+            size += item.size
         if not fitting:
             return items
         sequence = (self._segments[0] - 1) if self._segments else _FIRST_SEQUENCE
@@ -164,27 +166,28 @@ class DiskSpool:
                 f.write(item.payload)
             f.flush()
             os.fsync(f.fileno())
-        # The partly read head segment keeps its own offset: rewrite its unread part as a whole segment.
-        if self._segments and self._read_offset:
-            self._compact_head()
+        old_head, old_offset = (self._segments[0], self._read_offset) if self._segments else (None, 0)
         self._segments.appendleft(sequence)
         self._close_reader()
         self._read_offset = 0
+        # The cursor moves to the new head before anything else changes: a crash from here on at worst
+        # re-sends the already forwarded part of the old head (the collector absorbs duplicates).
         self._write_cursor()
-        self._used += sum(i.size for i in fitting)
+        if old_head is not None and old_offset:
+            self._drop_forwarded_part(old_head, old_offset)
+        self._used += size
         self._count += len(fitting)
         return items[len(fitting):]
 
-    def _compact_head(self) -> None:
-        head = self._path(self._segments[0])
-        if self._writer is not None and self._segments[0] == self._segments[-1]:
+    def _drop_forwarded_part(self, sequence: int, offset: int) -> None:
+        """Rewrite a segment without its first ``offset`` bytes (already forwarded), atomically."""
+        path = self._path(sequence)
+        if self._writer is not None and sequence == self._segments[-1]:
             self._writer.close()
             self._writer = None
-        data = head.read_bytes()[self._read_offset:]
-        tmp = head.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, head)
-        self._read_offset = 0
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(path.read_bytes()[offset:])
+        os.replace(tmp, path)
 
     # --- reading --------------------------------------------------------------------------------
 

@@ -34,8 +34,9 @@ durations from a fixed seed, end times just before the run. Spans are grouped
 into ``--batch``-span requests with ``spikehound.otlp.encode_spans`` and
 serialised once. The requests are replayed in rounds; every round gives every
 trace id a fresh 8-byte prefix (a ``bytes.replace`` on the encoded body), so each
-stored span is new and the trace index sees real inserts, never cheap conflicts. Event times repeat from round to round, so latency
-windows keep being filled but close only once input stops.
+stored span is new and the trace index sees real inserts, never cheap conflicts.
+Event times repeat from round to round, so latency windows keep being filled
+but close only once input stops.
 
 This is a measurement, not a test: it exits 0 whatever the rate, and non-zero
 only when the benchmark itself failed (collector died, nothing acknowledged,

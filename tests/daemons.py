@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -79,77 +79,6 @@ class CollectorThread:
         return value or 0.0
 
 
-class CollectorProcess:
-    """``spikehound collector`` as a child process, for kill and restart tests."""
-
-    def __init__(self, db_url: str, workdir: Path, env: Mapping[str, str] | None = None) -> None:
-        self.db_url = db_url
-        self.workdir = workdir
-        self.api_port, self.grpc_port, self.http_port = free_port(), free_port(), free_port()
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-        self._log: BinaryIO | None = None
-
-    def start(self, timeout: float = 60) -> CollectorProcess:
-        exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
-        self.starts += 1
-        if self._log is not None:
-            self._log.close()
-        self._log = open(self.workdir / f"collector-{self.starts}.log", "wb")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen(
-            [exe, "collector", "--db", self.db_url, "--api", f"127.0.0.1:{self.api_port}",
-             "--otlp-grpc", f"127.0.0.1:{self.grpc_port}", "--otlp-http", f"127.0.0.1:{self.http_port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"collector exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if requests.get(f"{self.api}/readyz", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"collector not ready in {timeout} s: {self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        path = self.workdir / f"collector-{self.starts}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self._close_log()
-
-    def terminate(self, timeout: float = 30) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
-
-    @property
-    def grpc_endpoint(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-
 def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     """This process's environment without its SPIKEHOUND_* variables (the test sets its own), plus ``extra``.
 
@@ -160,56 +89,40 @@ def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
-class AgentProcess:
-    """``spikehound agent`` as a child process on free loopback ports, forwarding to ``collector``.
+class DaemonProcess:
+    """A ``spikehound`` daemon as a child process; ``start`` may be called again after a stop or kill."""
 
-    Other settings come as ``env`` (``SPIKEHOUND_AGENT_*``). ``start`` may be called again after
-    ``terminate``/``kill``: the agent comes back on the same ports, spool and data directory.
-    """
+    name = "daemon"
 
-    def __init__(self, collector: str, workdir: Path, *, spool_dir: Path | None = None,
-                 data_dir: Path | None = None, interval: float | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
-        self.collector = collector
+    def __init__(self, workdir: Path, env: Mapping[str, str] | None) -> None:
         self.workdir = workdir
-        self.spool_dir = spool_dir or workdir / "agent-spool"
-        self.data_dir = data_dir or workdir / "agent-data"
-        self.interval = interval
-        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.env = _child_env({"SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{self.metrics_port}",
-                               "SPIKEHOUND_AGENT_SPOOL_DIR": str(self.spool_dir),
-                               "SPIKEHOUND_DATA_DIR": str(self.data_dir), **(env or {})})
+        self.env = _child_env(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._log: BinaryIO | None = None
 
-    def start(self, timeout: float = 60) -> AgentProcess:
-        """Start the agent; return once /healthz answers and both OTLP receivers accept connections."""
+    def args(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 60) -> Self:
         exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
         self.starts += 1
         self._close_log()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives with the process, closed by kill/terminate
-        args = [exe, "agent", "--collector", self.collector, "--otlp-grpc", f"127.0.0.1:{self.grpc_port}",
-                "--otlp-http", f"127.0.0.1:{self.http_port}"]
-        if self.interval is not None:
-            args += ["--interval", str(self.interval)]
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen([exe, *self.args()], stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._close_log()
-                raise RuntimeError(f"agent exited with {self.proc.returncode}: {self.log_tail()}")
-            if self._healthy() and all(_accepts(port) for port in (self.grpc_port, self.http_port)):
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
+            if self.ready():
                 return self
             time.sleep(0.1)
         self.kill()
-        raise RuntimeError(f"agent not healthy in {timeout} s: {self.log_tail()}")
-
-    def _healthy(self) -> bool:
-        try:
-            return requests.get(f"{self.metrics_url}/healthz", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
+        raise RuntimeError(f"{self.name} not ready in {timeout} s: {self.log_tail()}")
 
     @property
     def running(self) -> bool:
@@ -217,7 +130,7 @@ class AgentProcess:
 
     @property
     def log_path(self) -> Path:
-        return self.workdir / f"agent-{self.starts}.log"
+        return self.workdir / f"{self.name}-{self.starts}.log"
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -245,6 +158,73 @@ class AgentProcess:
             self._log.close()
             self._log = None
 
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+class CollectorProcess(DaemonProcess):
+    """``spikehound collector`` as a child process, for kill and restart tests."""
+
+    name = "collector"
+
+    def __init__(self, db_url: str, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(workdir, env)
+        self.db_url = db_url
+        self.api_port, self.grpc_port, self.http_port = free_port(), free_port(), free_port()
+
+    def args(self) -> list[str]:
+        return ["collector", "--db", self.db_url, "--api", f"127.0.0.1:{self.api_port}",
+                "--otlp-grpc", f"127.0.0.1:{self.grpc_port}", "--otlp-http", f"127.0.0.1:{self.http_port}"]
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(f"{self.api}/readyz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+
+class AgentProcess(DaemonProcess):
+    """``spikehound agent`` on free loopback ports, forwarding to ``collector``.
+
+    Other settings come as ``env`` (``SPIKEHOUND_AGENT_*``); a restart keeps ports, spool and data directory.
+    """
+
+    name = "agent"
+
+    def __init__(self, collector: str, workdir: Path, *, spool_dir: Path | None = None,
+                 data_dir: Path | None = None, interval: float | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.collector = collector
+        self.spool_dir = spool_dir or workdir / "agent-spool"
+        self.data_dir = data_dir or workdir / "agent-data"
+        self.interval = interval
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        super().__init__(workdir, {"SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{self.metrics_port}",
+                                   "SPIKEHOUND_AGENT_SPOOL_DIR": str(self.spool_dir),
+                                   "SPIKEHOUND_DATA_DIR": str(self.data_dir), **(env or {})})
+
+    def args(self) -> list[str]:
+        args = ["agent", "--collector", self.collector, "--otlp-grpc", f"127.0.0.1:{self.grpc_port}",
+                "--otlp-http", f"127.0.0.1:{self.http_port}"]
+        return args + (["--interval", str(self.interval)] if self.interval is not None else [])
+
+    def ready(self) -> bool:
+        """/healthz answers (it comes up after the receivers) and both receivers accept connections."""
+        try:
+            healthy = requests.get(f"{self.metrics_url}/healthz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+        return healthy and all(_accepts(port) for port in (self.grpc_port, self.http_port))
+
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of the agent's /metrics: (name, sorted labels) -> value."""
         text = requests.get(f"{self.metrics_url}/metrics", timeout=5).text
@@ -260,14 +240,6 @@ class AgentProcess:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}"
-
-    @property
-    def grpc_endpoint(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
 
 
 def _accepts(port: int) -> bool:

@@ -198,7 +198,8 @@ def test_overload_is_refused_retryably_with_bounded_memory_and_no_lost_acks(
 
     # Every acknowledged request is in the database, whole; nothing of a refused one is.
     with sqlite3.connect(f"file:{tmp_path / 'spikehound.db'}?mode=ro", uri=True) as db:
-        counts = dict(db.execute("SELECT lower(hex(trace_id)), count(*) FROM spans GROUP BY trace_id"))
+        counts = dict(db.execute("SELECT lower(hex(t.trace_id)), sum(b.span_count) FROM trace_blocks t "
+                                 "JOIN span_blocks b ON b.id = t.block_id GROUP BY t.trace_id"))
     missing = [t for t in acked if counts.get(t) != SPANS_PER_REQUEST]
     assert not missing, f"{len(missing)} of {len(acked)} acknowledged requests not fully stored"
     assert not refused & counts.keys()
