@@ -64,12 +64,42 @@ class ForwardQueue:
     def peek(self) -> Item | None:
         return self._memory[0] if self._memory else self.spool.peek()
 
+    def peek_batch(self, max_bytes: int) -> list[Item]:
+        """The oldest item and, when it is in memory, the later memory items of its signal (up to ``max_bytes``).
+
+        Memory items are always older than spooled ones, so sending them first keeps each signal in order;
+        OTLP requests of one signal merge by concatenating their encodings, so a batch is one request.
+        """
+        if not self._memory:
+            head = self.spool.peek()
+            return [head] if head is not None else []
+        signal = self._memory[0].signal
+        batch: list[Item] = []
+        size = 0
+        for item in self._memory:
+            if item.signal is signal:
+                if batch and size + item.size > max_bytes:
+                    break
+                batch.append(item)
+                size += item.size
+        return batch
+
     def pop(self) -> None:
         """Remove the item ``peek`` returned, once the collector has acknowledged it."""
         if self._memory:
             self._memory_used -= self._memory.popleft().size
         else:
             self.spool.pop()
+
+    def pop_batch(self, batch: list[Item]) -> None:
+        """Remove the items ``peek_batch`` returned, once the collector has acknowledged them."""
+        sent = {id(item) for item in batch}
+        kept = deque(item for item in self._memory if id(item) not in sent)
+        if len(kept) == len(self._memory):  # not from memory: it was the spool's head
+            self.spool.pop()
+            return
+        self._memory = kept
+        self._memory_used -= sum(item.size for item in batch)
 
     async def wait(self) -> None:
         """Return when there is something to forward."""
