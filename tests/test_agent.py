@@ -40,6 +40,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from agent.enrich import machine_id
 from spikehound import __version__
 from tests.daemons import AgentProcess, CollectorProcess, CollectorThread
 
@@ -80,17 +81,6 @@ def wait_trace(api: str, trace_id: str, spans: int, timeout: float = 20) -> dict
 
 def hex_key(span: ReadableSpan) -> tuple[str, str]:
     return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
-
-
-def host_id() -> str | None:
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            value = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if value:
-            return value
-    return None
 
 
 class Recording(SpanExporter):
@@ -275,7 +265,7 @@ def test_sdk_spans_through_the_agent_carry_the_host_and_its_metrics(sqlite_colle
                 original = sent[span["span_id"]]
                 assert (span["service"], span["host"], span["name"]) == (service, HOST, original.name)
                 assert span["start_unix_nano"] == original.start_time
-                assert span["resource"].get("host.id") == host_id()  # None only where the host has no machine id
+                assert span["resource"].get("host.id") == machine_id()  # None only where the host has no machine id
                 if service == "llm-grpc":
                     assert span["resource"]["spikehound.sender.host.name"] == "container-abc"
                     assert span["resource"]["service.version"] == "2.1"
@@ -618,7 +608,7 @@ def test_agent_metrics_go_out_as_otlp_with_their_own_resource(sqlite_collector: 
             assert resource["service.name"] == "spikehound-agent"
             assert resource["service.version"] == __version__
             assert resource["host.name"] == HOST
-            assert resource.get("host.id") == host_id()
+            assert resource.get("host.id") == machine_id()
             for sm in rm.scope_metrics:
                 for m in sm.metrics:
                     for p in getattr(m, m.WhichOneof("data")).data_points:

@@ -41,7 +41,6 @@ of the sample still comes out.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -51,6 +50,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+import psutil
 
 from agent.sample import Kind, Sample
 
@@ -117,7 +118,7 @@ class CpuSampler:
         self.rescan_interval_s = rescan_interval_s
         # Compiled here so a bad pattern fails at start-up (configuration), not every second.
         self._patterns = [re.compile(pattern) for pattern in process_patterns]
-        self._ps: Any = psutil_module
+        self._ps: Any = psutil_module or psutil  # injected in tests
         self._started = False
         self._own_pid = os.getpid()
         self._prev_times: Any = None
@@ -134,15 +135,7 @@ class CpuSampler:
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     def start(self) -> bool:
-        """Import psutil (unless injected); False with one warning where it is missing."""
-        if self._started:
-            return True
-        if self._ps is None:
-            try:
-                self._ps = importlib.import_module("psutil")
-            except ImportError as exc:
-                log.warning("psutil unavailable (%s): host CPU and memory sampling disabled", exc)
-                return False
+        """Begin sampling (psutil is a dependency: always possible)."""
         self._started = True
         self._own_pid = os.getpid()
         return True

@@ -23,13 +23,14 @@ missing or unparsable file is counted once (``snmp``) and TCP sampling stops (th
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
+
+import psutil
 
 from agent.sample import Kind, Sample
 
@@ -70,7 +71,7 @@ class NetworkSampler:
         self.interfaces = interfaces
         self.snmp_path = snmp_path
         self._wanted = frozenset(interfaces)
-        self._ps: Any = psutil_module
+        self._ps: Any = psutil_module or psutil  # injected in tests
         self._started = False
         self._prev: dict[str, Any] = {}
         self._prev_at = 0.0
@@ -81,15 +82,7 @@ class NetworkSampler:
         self._warned: set[str] = set()
 
     def start(self) -> bool:
-        """Import psutil (unless injected); False with one warning where it is missing."""
-        if self._started:
-            return True
-        if self._ps is None:
-            try:
-                self._ps = importlib.import_module("psutil")
-            except ImportError as exc:
-                log.warning("psutil unavailable (%s): network sampling disabled", exc)
-                return False
+        """Begin sampling (psutil is a dependency: always possible)."""
         self._started = True
         return True
 
