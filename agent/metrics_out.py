@@ -15,7 +15,7 @@ from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
     MetricExportResult,
@@ -59,7 +59,9 @@ class MetricsBridge:
     def __init__(self, resource: dict[str, Any], sink: Sink) -> None:
         self._exporter = _SinkExporter(sink)
         self._reader = PeriodicExportingMetricReader(self._exporter, export_interval_millis=math.inf)
-        self._provider = MeterProvider(resource=Resource.create(resource), metric_readers=[self._reader])
+        # Host samples carry no trace context: exemplars would only cost time.
+        self._provider = MeterProvider(resource=Resource.create(resource), metric_readers=[self._reader],
+                                       exemplar_filter=AlwaysOffExemplarFilter())
         self._meter = self._provider.get_meter("spikehound.agent")
         self._latest: dict[str, list[Sample]] = {}
 

@@ -73,8 +73,6 @@ def _fit_rows(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-
-
 def _json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
 
