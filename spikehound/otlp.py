@@ -19,7 +19,6 @@ with ``partial_success`` instead of losing a whole batch.
 from __future__ import annotations
 
 import base64
-import binascii
 import math
 import zlib
 from collections.abc import Iterable, Iterator
@@ -463,8 +462,3 @@ def _hex_to_base64(holder: dict[str, Any], key: str) -> None:
                 holder[k] = base64.b64encode(bytes.fromhex(value)).decode()
             except ValueError:
                 raise PayloadError(f"invalid OTLP/JSON: {k} {value[:40]!r} is not hex") from None
-
-
-def hex_id(raw: bytes | None) -> str | None:
-    """Lowercase hex for an id, None for an absent one."""
-    return binascii.hexlify(raw).decode() if raw else None
