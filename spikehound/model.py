@@ -199,3 +199,4 @@ class Spike:
     baseline_p99_ns: int
     causes: tuple[Cause, ...] = ()
     exemplar_trace_ids: tuple[bytes, ...] = ()
+    detected_unix_nano: int | None = None  # the event-time watermark at which the detector opened it

@@ -164,7 +164,8 @@ class Reader:
         return [Spike(id=r.id, service=r.service, operation=r.operation, state=r.state,
                       start_unix_nano=r.start_ns, end_unix_nano=r.end_ns, p99_ns=r.p99_ns,
                       baseline_p99_ns=r.baseline_p99_ns, causes=tuple(causes.get(r.id, ())),
-                      exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)))
+                      exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)),
+                      detected_unix_nano=r.detected_ns)
                 for r in rows]
 
 

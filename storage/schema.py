@@ -112,6 +112,7 @@ spikes = Table(
     Column("p99_ns", BigInteger, nullable=False),
     Column("baseline_p99_ns", BigInteger, nullable=False),
     Column("exemplar_trace_ids", Text, nullable=False),  # JSON list of hex ids
+    Column("detected_ns", BigInteger),  # event time (watermark) at which the detector opened it
     Index("ix_spikes_start", "start_ns"),
     Index("ix_spikes_service_start", "service", "start_ns"),
 )
@@ -132,4 +133,14 @@ causes = Table(
     Column("unit", String(32)),
     Column("summary", Text, nullable=False),
     PrimaryKeyConstraint("spike_id", "rank", name="pk_causes"),
+)
+
+# The detectors' learned state (baselines, open spikes, normal-trace reservoirs), saved periodically and at
+# shutdown so that a restarted collector neither re-learns for an hour nor forgets a spike in progress.
+detector_checkpoints = Table(
+    "detector_checkpoints", metadata,
+    Column("name", String(64), primary_key=True),
+    Column("saved_at", BigInteger, nullable=False),  # unix seconds, wall clock
+    Column("format", Integer, nullable=False),  # bumped when the state layout changes; older ones are ignored
+    Column("state", LargeBinary, nullable=False),
 )

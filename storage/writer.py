@@ -111,7 +111,7 @@ class Writer:
         self._spikes = spikes.on_conflict_do_update(
             index_elements=["id"],
             set_={c: spikes.excluded[c] for c in ("state", "end_ns", "p99_ns", "baseline_p99_ns",
-                                                  "exemplar_trace_ids")})
+                                                  "exemplar_trace_ids", "detected_ns")})
 
     def write(self, batch: WriteBatch, now_ns: int | None = None) -> None:
         """Commit the batch in one transaction, or raise and commit nothing."""
@@ -185,6 +185,7 @@ class Writer:
             "start_ns": s.start_unix_nano, "end_ns": s.end_unix_nano, "p99_ns": s.p99_ns,
             "baseline_p99_ns": s.baseline_p99_ns,
             "exemplar_trace_ids": _json([t.hex() for t in s.exemplar_trace_ids]),
+            "detected_ns": s.detected_unix_nano,
         } for s in spikes]))
         # Causes are re-ranked while a spike lasts: replace them as a whole.
         conn.execute(schema.causes.delete().where(schema.causes.c.spike_id.in_([s.id for s in spikes])))
