@@ -22,6 +22,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest
+	$(BIN)/python -m benchmarks.detection
 	$(BIN)/python -m benchmarks.agent_overhead
 
 lint: $(STAMP)

@@ -81,6 +81,7 @@ EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 TARGET_SPANS_PER_SECOND = 50_000
 SEED = 20240917
 MARKER_BYTES = 8  # trace ids are MARKER + 8 bytes; a round swaps the marker for a fresh one
+EVENT_SPEEDUP = 2  # event time runs this much faster than the wall clock during the load
 RETRY_PAUSE_SECONDS = 0.05  # first pause after RESOURCE_EXHAUSTED / UNAVAILABLE, doubling up to the next
 MAX_RETRY_PAUSE_SECONDS = 1.0
 MAX_ATTEMPTS = 60  # of one request (about a minute of pauses), then the benchmark fails
@@ -177,6 +178,11 @@ class Workload:
     bodies: list[bytes]
     spans_per_body: list[int]
     marker: bytes
+    # Per body: byte offsets of every span's start and end time (fixed64 fields), so that a round can move
+    # the whole workload forward in event time without re-encoding it.
+    time_offsets: list[Any] = field(default_factory=list)
+    event_span_ns: int = 2 * NS  # event time one pass covers; each round starts that much later
+    created_ns: int = 0  # the wall clock when the spans were made: rounds move on from it
 
     @property
     def spans(self) -> int:
@@ -199,7 +205,70 @@ def make_workload(requests: int, batch: int, seed: int = SEED) -> Workload:
     if any(body.count(marker) != len(decode_spans(ExportTraceServiceRequest.FromString(body)).spans)
            for body in bodies[:4]):
         raise RuntimeError("trace-id marker also occurs outside trace ids; pick another seed")
-    return Workload(bodies, [batch] * len(bodies), marker)
+    return Workload(bodies, [batch] * len(bodies), marker, [_time_offsets(b) for b in bodies], created_ns=now)
+
+
+def _varint(buf: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, value start, value end) of one protobuf message's fields."""
+    at = start
+    while at < end:
+        key, at = _varint(buf, at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            _, after = _varint(buf, at)
+        elif wire == 1:
+            after = at + 8
+        elif wire == 2:
+            size, at = _varint(buf, at)
+            after = at + size
+        elif wire == 5:
+            after = at + 4
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+        yield number, wire, at, after
+        at = after
+
+
+def _time_offsets(body: bytes) -> Any:
+    """Offsets of Span.start_time_unix_nano (7) and end_time_unix_nano (8) in an encoded request."""
+    import numpy as np
+
+    out = []
+    for n1, _, s1, e1 in _fields(body, 0, len(body)):  # ResourceSpans
+        if n1 != 1:
+            continue
+        for n2, _, s2, e2 in _fields(body, s1, e1):  # ScopeSpans
+            if n2 != 2:
+                continue
+            for n3, _, s3, e3 in _fields(body, s2, e2):  # Span
+                if n3 != 2:
+                    continue
+                out += [s for n, w, s, _ in _fields(body, s3, e3) if n in (7, 8) and w == 1]
+    return np.asarray(out, dtype=np.int64)
+
+
+def shift_times(body: bytes, offsets: Any, shift_ns: int) -> bytes:
+    """``body`` with every span moved ``shift_ns`` later in event time (same length, same ids)."""
+    import numpy as np
+
+    if shift_ns == 0 or len(offsets) == 0:
+        return body
+    raw = np.frombuffer(body, dtype=np.uint8).copy()
+    index = offsets[:, None] + np.arange(8)
+    times = raw[index].view("<u8") + np.uint64(shift_ns)
+    raw[index] = times.view(np.uint8).reshape(-1, 8)
+    return raw.tobytes()
 
 
 # --- reference: decode only --------------------------------------------------------------------
@@ -248,11 +317,16 @@ class SenderResult:
 
 
 def _rounds(workload: Workload) -> Iterator[tuple[bytes, int]]:
-    """The requests forever; each round with fresh trace ids (random prefix: unique across processes)."""
+    """The requests forever; each round with fresh trace ids (random prefix: unique across processes), and
+    later in event time, following the wall clock since the workload was made but ``EVENT_SPEEDUP`` times
+    faster, so that the collector's windows keep closing and its detectors keep judging, as in production."""
     while True:
         marker = os.urandom(MARKER_BYTES)
-        for body, n in zip(workload.bodies, workload.spans_per_body, strict=True):
-            yield body.replace(workload.marker, marker), n
+        # Whole passes of the workload's event span: the senders (each its own process) stay in step.
+        passes = max(time.time_ns() - workload.created_ns, 0) * EVENT_SPEEDUP // workload.event_span_ns
+        shift = passes * workload.event_span_ns
+        for body, n, offsets in zip(workload.bodies, workload.spans_per_body, workload.time_offsets, strict=True):
+            yield shift_times(body.replace(workload.marker, marker), offsets, shift), n
 
 
 async def _send(endpoint: str, workload: Workload, inflight: int, measure_at: float, end_at: float,
@@ -343,11 +417,12 @@ def _cpu_seconds(pid: int) -> float:
 class Collector:
     """``spikehound collector`` as a child process on free loopback ports."""
 
-    def __init__(self, db_url: str, workdir: Path) -> None:
+    def __init__(self, db_url: str, workdir: Path, detection: bool = True) -> None:
         self.db_url = db_url
         self.log_path = workdir / "collector.log"
         self.api_port, self.grpc_port, self.http_port = _free_port(), _free_port(), _free_port()
-        self.env = {**os.environ, "SPIKEHOUND_DATA_DIR": str(workdir)}
+        self.env = {**os.environ, "SPIKEHOUND_DATA_DIR": str(workdir),
+                    "SPIKEHOUND_DETECTION_ENABLED": "true" if detection else "false"}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -459,6 +534,7 @@ class Results:
     latency_ms_p99: float = 0.0
     target_spans_per_s: int = TARGET_SPANS_PER_SECOND
     passed: bool = False
+    detection: bool = True
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -466,7 +542,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(max(math.ceil(q * len(ordered)) - 1, 0), len(ordered) - 1)] if ordered else 0.0
 
 
-def run(args: argparse.Namespace) -> tuple[Results, list[str]]:
+def run(args: argparse.Namespace, detection: bool = True) -> tuple[Results, list[str]]:
     """The whole benchmark; returns the results and the reasons it failed (empty when it did not)."""
     failures: list[str] = []
     processes = max(1, min(args.processes or min(2, args.senders), args.senders))
@@ -482,12 +558,13 @@ def run(args: argparse.Namespace) -> tuple[Results, list[str]]:
         workdir = Path(tmp)
         db_url = args.db or f"sqlite:///{workdir / 'bench.db'}"
         rows_before = (_count_span_rows(db_url) or 0) if args.db else 0
-        collector = Collector(db_url, workdir)
+        collector = Collector(db_url, workdir, detection)
         collector.start()
         res = Results(db=db_url.split("://", 1)[0], senders=args.senders, processes=processes, batch=args.batch,
                       warmup_s=args.warmup, seconds=args.seconds, workload_requests=len(workload.bodies),
                       workload_bytes_per_span=round(workload.size_bytes / workload.spans, 1),
-                      reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2))
+                      reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2),
+                      detection=detection)
         try:
             _load(args, res, workload, collector, processes, failures)
         finally:
@@ -585,7 +662,8 @@ def report(res: Results) -> str:
     db = "SQLite" if res.db == "sqlite" else "PostgreSQL"
     rows = f", {res.span_rows:,} spans in storage" if res.span_rows is not None else ""
     lines = [
-        f"ingest (OTLP/gRPC -> {db}, detectors on, {setup}): {res.ingest_spans_per_s:,.0f} spans/s  "
+        f"ingest (OTLP/gRPC -> {db}, detectors {'on' if res.detection else 'OFF'}, {setup}): "
+        f"{res.ingest_spans_per_s:,.0f} spans/s  "
         f"(collector used {res.collector_cores:.2f} cores, load generator {res.load_generator_cores:.2f})",
         f"reference: protobuf decode + validation only, 1 thread: {res.reference_spans_per_s:,.0f} spans/s",
         f"ratio ingest/decode: {res.ratio_ingest_decode:.2f}   target >= {res.target_spans_per_s:,} spans/s: "
@@ -619,19 +697,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reference-seconds", type=float, default=3.0, help="length of the decode-only run")
     p.add_argument("--startup", type=float, default=2.0, help="seconds allowed for the senders to connect")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
+    p.add_argument("--detection", choices=["on", "off", "both"], default="both",
+                   help="run with the detectors on, off, or both one after the other to measure their cost "
+                   "(default both)")
     args = p.parse_args(argv)
     if min(args.seconds, args.senders, args.batch, args.requests) <= 0 or args.warmup < 0:
         p.error("--seconds, --senders, --batch and --requests must be positive, --warmup not negative")
 
-    try:
-        res, failures = run(args)
-    except RuntimeError as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    print()
-    print(report(res))
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.detection]
+    results: list[Results] = []
+    failures: list[str] = []
+    for detection in modes:
+        try:
+            res, failed = run(args, detection)
+        except RuntimeError as exc:
+            print(f"benchmark failed: {exc}", file=sys.stderr)
+            return 1
+        print()
+        print(report(res), flush=True)
+        results.append(res)
+        failures += failed
+    if len(results) == 2 and results[0].ingest_spans_per_s:
+        off, on = results
+        loss = 1 - on.ingest_spans_per_s / off.ingest_spans_per_s
+        cpu = (on.collector_cpu_us_per_span / off.collector_cpu_us_per_span - 1) if off.collector_cpu_us_per_span \
+            else 0.0
+        print(f"\ndetectors' cost: {loss:+.1%} throughput ({off.ingest_spans_per_s:,} -> {on.ingest_spans_per_s:,} "
+              f"spans/s), {cpu:+.1%} collector CPU per span; target: under 20 % throughput loss")
     if args.json:
-        Path(args.json).write_text(json.dumps(asdict(res), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     for failure in failures:
         print(f"benchmark failed: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -67,6 +67,7 @@ class Collector:
         queue = IngestQueue(c.queue_capacity)
         self.telemetry.queue_capacity.set(c.queue_capacity)
         self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
+        await self._pipeline.restore()
         self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
         self._pipeline_task.add_done_callback(self._watch)
         ingest = Ingest(queue, self.telemetry, c.retry_after_seconds)

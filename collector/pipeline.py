@@ -2,8 +2,11 @@
 
 Several queued requests are merged into one transaction. Each sender's answer
 waits for the commit of its data, so an acknowledged span is on disk. Only
-committed spans reach the event-time windows, and closed windows are written
-by the same single writer, so SQLite never sees two writers.
+committed spans and samples reach the detection engine (on the same writer
+thread, right after the commit), and the windows and spikes it produces are
+written with the next commit, so SQLite never sees two writers. The engine's
+learned state is checkpointed every ``detection.checkpoint_seconds`` and at
+shutdown, and restored at start.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from collector.detection import detection_settings
 from collector.ingest_queue import IngestQueue, Submission
 from collector.telemetry import CollectorTelemetry
-from detectors.windows import LatencyWindows
+from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.config import Config
-from spikehound.model import LatencyWindow
+from spikehound.model import Spike
+from storage import checkpoints
 from storage.retention import expire
 from storage.writer import SpanBlock, WriteBatch, Writer
 
@@ -27,6 +32,7 @@ log = logging.getLogger("spikehound.collector.pipeline")
 T = TypeVar("T")
 
 NS = 1_000_000_000
+CHECKPOINT_NAME = "detection"
 TICK_SECONDS = 0.5
 RETENTION_INTERVAL_SECONDS = 300.0
 ERROR_BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
@@ -40,29 +46,79 @@ class IngestPipeline:
     """Owns the writer thread and the latency windows; runs as one background task."""
 
     def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, telemetry: CollectorTelemetry) -> None:
-        c = cfg.collector
         self.cfg = cfg
         self.queue = queue
         self.writer = writer
         self.telemetry = telemetry
-        self.windows = LatencyWindows(window_ns=int(c.window_seconds * NS),
-                                      allowed_lateness_ns=int(c.allowed_lateness_seconds * NS),
-                                      max_streams=c.max_streams)
+        self.settings = detection_settings(cfg)
+        self.engine = DetectionEngine(self.settings)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spikehound-writer")
         self.healthy = True  # False while the last commit failed; /readyz reports it
-        self._closed_windows: list[LatencyWindow] = []
+        # Called on the event loop with every spike state written (opened, updated, resolved).
+        self.spike_listeners: list[Callable[[list[Spike]], None]] = []
+        self._pending = Detection()  # windows and spikes waiting for the next commit
+        self._open_ids: set[str] = set()
         self._last_input = time.monotonic()
         self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
+        self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
         self._failures = 0
         self._stopping = False
-        telemetry.add_counter_source(lambda: {
+        telemetry.add_counter_source(self._counters)
+        telemetry.add_gauge_source(self._gauges)
+
+    def _counters(self) -> dict[str, tuple[str, float]]:
+        st = self.engine.stats()
+        return {
             "spikehound_latency_late_spans": ("Entry spans that arrived after their window closed "
-                                              "(stored, not counted in window percentiles).",
-                                              self.windows.late_spans),
+                                              "(stored, not counted in window percentiles).", st["late_spans"]),
             "spikehound_latency_stream_overflow_spans": ("Entry spans not aggregated because the stream "
                                                          "limit (collector.max_streams) was reached.",
-                                                         self.windows.overflow_spans),
-        })
+                                                         st["overflow_spans"]),
+            "spikehound_detector_evicted_streams": ("Quiet streams whose learned baseline was dropped to stay "
+                                                    "within collector.max_streams.", st["evicted_streams"]),
+            "spikehound_spikes_opened": ("Spikes opened by the detectors.", st["spikes_opened"]),
+            "spikehound_trace_buffer_evicted_traces": ("Traces dropped from the attribution buffer to stay "
+                                                       "within detection.trace_buffer_spans.",
+                                                       st["trace_buffer_evicted_traces"]),
+            "spikehound_attribution_missing_traces": ("Spike updates that found none of their slow traces in "
+                                                      "the attribution buffer.", st["attributions_without_traces"]),
+            "spikehound_resource_late_points": ("Metric samples that arrived after their window was judged.",
+                                                st["resource_late_points"]),
+            "spikehound_resource_overflow_points": ("Metric samples not judged because the resource series "
+                                                    "limit was reached.", st["resource_overflow_points"]),
+        }
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        st = self.engine.stats()
+        return {
+            "spikehound_latency_streams": ("Latency streams with open windows.", st["streams"]),
+            "spikehound_detector_streams": ("Latency streams with a learned baseline.", st["judged_streams"]),
+            "spikehound_spikes_open": ("Spikes open now.", st["open_spikes"]),
+            "spikehound_trace_buffer_spans": ("Spans held for attribution.", st["trace_buffer_spans"]),
+            "spikehound_resource_series": ("Resource series watched by the resource detectors.",
+                                           st["resource_series"]),
+        }
+
+    async def restore(self) -> None:
+        """Continue from the last checkpoint, if there is one that fits."""
+        found = await self._on_writer(checkpoints.load, self.writer.engine, CHECKPOINT_NAME)
+        if found is None:
+            log.info("detectors start fresh: no checkpoint")
+            return
+        if found.format != CHECKPOINT_FORMAT:
+            log.warning("detectors start fresh: the checkpoint has format %d, this version writes %d",
+                        found.format, CHECKPOINT_FORMAT)
+            return
+        try:
+            self.engine = await self._on_writer(DetectionEngine.restore, self.settings, found.state)
+        except Exception as exc:
+            log.warning("detectors start fresh: the checkpoint cannot be continued (%s: %s)",
+                        exc.__class__.__name__, exc)
+            return
+        self._open_ids = {s.id for s in self.engine.open_spikes()}
+        log.info("detectors restored from the checkpoint of %s: %d streams, %d open spikes",
+                 time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at)),
+                 self.engine.stats()["judged_streams"], len(self._open_ids))
 
     async def run(self) -> None:
         """Write until ``stop`` is called and the queue is empty."""
@@ -74,9 +130,9 @@ class IngestPipeline:
                 await self._commit(taken)
             else:
                 await self._tick()
-        self._closed_windows += await self._on_writer(self.windows.flush)
-        if self._closed_windows:
-            await self._write(WriteBatch(windows=self._closed_windows))
+        # Open windows are not flushed: they are in the checkpoint, and a restart continues them.
+        await self._write_pending()
+        await self.checkpoint()
 
     def stop(self) -> None:
         self._stopping = True
@@ -84,10 +140,11 @@ class IngestPipeline:
     async def _commit(self, taken: list[Submission]) -> None:
         spans = [s for sub in taken for s in sub.spans]
         points = [p for sub in taken for p in sub.points]
-        windows = self._closed_windows
+        pending = self._pending
         try:
             blocks = [SpanBlock(sub.payload, sub.spans) for sub in taken if sub.spans]
-            closed = await self._write(WriteBatch(spans=spans, points=points, windows=windows, blocks=blocks))
+            detected = await self._write(WriteBatch(spans=spans, points=points, windows=pending.windows,
+                                                    spikes=pending.spikes, blocks=blocks))
         except Exception as exc:
             error = StorageUnavailable(f"storage write failed: {exc.__class__.__name__}")
             for sub in taken:
@@ -100,32 +157,86 @@ class IngestPipeline:
         finally:
             self.queue.release(taken)
             self.telemetry.queue_items.set(self.queue.items)
-        self._closed_windows = []
-        self.telemetry.windows_closed.inc(len(windows))
         for sub in taken:
             if not sub.committed.done():  # the sender may have gone away; its data is stored anyway
                 sub.committed.set_result(None)
         self.telemetry.stored.labels("spans").inc(len(spans))
         self.telemetry.stored.labels("metrics").inc(len(points))
-        self._closed_windows += closed
+        self._written(pending)
+        self._pending = detected
 
-    def _write_and_window(self, batch: WriteBatch) -> list[LatencyWindow]:
-        """On the writer thread: commit, then feed the committed spans to the windows (keeps the loop free)."""
+    def _write_and_detect(self, batch: WriteBatch) -> Detection:
+        """On the writer thread: commit, then feed what was committed to the detectors (keeps the loop free)."""
         self.writer.write(batch)
-        if not batch.spans:
-            return []
-        self.windows.add(batch.spans)
-        return self.windows.close()
+        if not batch.spans and not batch.points:
+            return Detection()
+        self.engine.add(batch.spans, batch.points)
+        return self.engine.advance()
 
-    async def _on_writer(self, fn: Callable[..., T], *args: Any) -> T:
-        # The windows are only ever touched from the writer thread, so they need no lock.
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    def _written(self, done: Detection) -> None:
+        """Account for windows and spikes that were just committed, and tell the listeners."""
+        self.telemetry.windows_closed.inc(len(done.windows))
+        if not done.spikes:
+            return
+        for spike in done.spikes:
+            event = self._announce(spike)
+            self.telemetry.spikes.labels(event).inc()
+        for listener in self.spike_listeners:
+            try:
+                listener(done.spikes)
+            except Exception:
+                log.exception("spike listener failed")
 
-    async def _write(self, batch: WriteBatch) -> list[LatencyWindow]:
-        """Commit ``batch``; return the windows its spans closed."""
+    def _announce(self, spike: Spike) -> str:
+        what = (f"{spike.service} {spike.operation!r}: p99 {spike.p99_ns / 1e6:.1f} ms "
+                f"against {spike.baseline_p99_ns / 1e6:.1f} ms")
+        top = spike.causes[0].summary if spike.causes else "no cause found yet"
+        if spike.state == "resolved":
+            self._open_ids.discard(spike.id)
+            log.info("spike %s resolved on %s", spike.id, what)
+            return "resolved"
+        if spike.id not in self._open_ids:
+            self._open_ids.add(spike.id)
+            log.warning("spike %s opened on %s; top cause: %s", spike.id, what, top)
+            return "opened"
+        return "updated"
+
+    async def _write_pending(self) -> bool:
+        """Commit the windows and spikes waiting for a commit; False when storage failed."""
+        pending = self._pending
+        if not pending.windows and not pending.spikes:
+            return True
+        try:
+            await self._write(WriteBatch(windows=pending.windows, spikes=pending.spikes))
+        except Exception as exc:
+            await self._backoff(exc)
+            return False
+        self._pending = Detection()
+        self._written(pending)
+        return True
+
+    async def checkpoint(self) -> None:
+        """Save the detectors' learned state (on the writer thread, between two commits)."""
         started = time.perf_counter()
         try:
-            closed = await self._on_writer(self._write_and_window, batch)
+            await self._on_writer(self._save_checkpoint)
+        except Exception as exc:
+            log.error("detector checkpoint failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
+            return
+        self.telemetry.checkpoint_seconds.observe(time.perf_counter() - started)
+
+    def _save_checkpoint(self) -> None:
+        checkpoints.save(self.writer.engine, CHECKPOINT_NAME, CHECKPOINT_FORMAT, self.engine.snapshot())
+
+    async def _on_writer(self, fn: Callable[..., T], *args: Any) -> T:
+        # The detection engine is only ever touched from the writer thread, so it needs no lock.
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _write(self, batch: WriteBatch) -> Detection:
+        """Commit ``batch``; return what the detectors made of it."""
+        started = time.perf_counter()
+        try:
+            detected = await self._on_writer(self._write_and_detect, batch)
         except Exception:
             self.healthy = False
             self.telemetry.write_errors.inc()
@@ -133,7 +244,7 @@ class IngestPipeline:
         self.healthy = True
         self._failures = 0
         self.telemetry.write_seconds.observe(time.perf_counter() - started)
-        return closed
+        return detected
 
     async def _backoff(self, exc: Exception) -> None:
         delay = ERROR_BACKOFF_SECONDS[min(self._failures, len(ERROR_BACKOFF_SECONDS) - 1)]
@@ -143,21 +254,19 @@ class IngestPipeline:
         await asyncio.sleep(delay)
 
     async def _tick(self) -> None:
-        """With no input: let the watermark catch up, write closed windows, run retention."""
+        """With no input: let the watermark catch up, write what the detectors closed, checkpoint, retention."""
         c = self.cfg.collector
         idle = time.monotonic() - self._last_input
         if idle >= c.idle_flush_seconds:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
-            self._closed_windows += await self._on_writer(self.windows.close, advance)
-        if self._closed_windows:
-            windows = self._closed_windows
-            try:
-                await self._write(WriteBatch(windows=windows))
-            except Exception as exc:
-                await self._backoff(exc)
-            else:
-                self._closed_windows = []
-                self.telemetry.windows_closed.inc(len(windows))
+            detected = await self._on_writer(self.engine.advance, advance)
+            self._pending.windows.extend(detected.windows)
+            self._pending.spikes.extend(detected.spikes)
+        if not await self._write_pending():
+            return
+        if time.monotonic() >= self._next_checkpoint:
+            self._next_checkpoint = time.monotonic() + self.cfg.detection.checkpoint_seconds
+            await self.checkpoint()
         if time.monotonic() >= self._next_retention:
             self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
             await self.run_retention()

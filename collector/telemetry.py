@@ -10,19 +10,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 
-class _CounterFunc(Collector):
-    """Counters owned by pure computation (the detectors), read when scraped."""
+class _ReadOnScrape(Collector):
+    """Counters or gauges owned by pure computation (the detectors), read when scraped."""
 
-    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]],
+                 family: type[CounterMetricFamily] | type[GaugeMetricFamily]) -> None:
         self._read = read
+        self._family = family
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for name, (doc, value) in self._read().items():
-            yield CounterMetricFamily(name, doc, value=value)
+            yield self._family(name, doc, value=value)
 
 
 class CollectorTelemetry:
@@ -56,8 +58,15 @@ class CollectorTelemetry:
                                     registry=r)
         self.windows_closed = Counter("spikehound_latency_windows_closed",
                                       "Event-time latency windows closed and stored.", registry=r)
+        self.spikes = Counter("spikehound_spikes", "Spike state changes written to storage.", ["event"], registry=r)
+        self.checkpoint_seconds = Histogram("spikehound_detector_checkpoint_seconds",
+                                            "Time to save the detectors' learned state.",
+                                            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
         self.retention_deleted = Counter("spikehound_retention_deleted", "Rows deleted by retention.",
                                          ["table"], registry=r)
 
     def add_counter_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
-        self.registry.register(_CounterFunc(read))
+        self.registry.register(_ReadOnScrape(read, CounterMetricFamily))
+
+    def add_gauge_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        self.registry.register(_ReadOnScrape(read, GaugeMetricFamily))

@@ -22,13 +22,14 @@ from spikehound.model import Span
 __all__ = ["critical_path"]
 
 
-def critical_path(spans: Sequence[Span]) -> list[bytes]:
+def critical_path(spans: Sequence[Span], root: bytes | None = None) -> list[bytes]:
     """Span ids on the critical path of the trace made of ``spans``, ordered by start time.
 
-    The path starts at the root: a span without a parent, or whose parent is
-    not among ``spans`` (or is itself). With several such spans, the one that
-    ended last is taken (ties: the longest). Of duplicated span ids the first
-    occurrence counts.
+    The path starts at ``root`` when given (the entry span of a stream deep in a
+    trace), otherwise at the trace's root: a span without a parent, or whose
+    parent is not among ``spans`` (or is itself). With several such spans, the
+    one that ended last is taken (ties: the longest). Of duplicated span ids
+    the first occurrence counts.
 
     >>> from spikehound.model import SpanKind, StatusCode
     >>> def span(i, parent, start, end):
@@ -41,13 +42,36 @@ def critical_path(spans: Sequence[Span]) -> list[bytes]:
     ...          span(4, 1, 60, 95)]      # render, waits for the db query
     >>> [s[0] for s in critical_path(trace)]
     [1, 3, 4]
+    >>> critical_path(trace, root=bytes([3]))
+    [b'\\x03']
     >>> critical_path([])
     []
+    """
+    return [span.span_id for span, _ in critical_path_times(spans, root)]
+
+
+def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> list[tuple[Span, int]]:
+    """The critical path as ``(span, self_ns)`` pairs, ordered by start time.
+
+    ``self_ns`` is the time on the path that the span spent itself: its
+    (clamped) duration less the time of the path children it waited for. The
+    self times add up to the root's duration. For a CLIENT span whose path
+    child is a SERVER span, its self time is the network and queueing time of
+    that hop.
+
+    >>> from spikehound.model import SpanKind, StatusCode
+    >>> def span(i, parent, start, end):
+    ...     return Span(trace_id=bytes(16), span_id=bytes([i]), parent_span_id=parent and bytes([parent]),
+    ...                 service="svc", host=None, name=f"op{i}", kind=SpanKind.INTERNAL,
+    ...                 start_unix_nano=start, end_unix_nano=end, status=StatusCode.UNSET, attributes={})
+    >>> trace = [span(1, None, 0, 100), span(2, 1, 5, 20), span(3, 1, 10, 60), span(4, 1, 60, 95)]
+    >>> [(s.name, t) for s, t in critical_path_times(trace)]
+    [('op1', 15), ('op3', 50), ('op4', 35)]
     """
     by_id: dict[bytes, Span] = {}
     for s in spans:
         by_id.setdefault(s.span_id, s)
-    if not by_id:
+    if not by_id or (root is not None and root not in by_id):
         return []
 
     children: dict[bytes, list[Span]] = {}
@@ -59,45 +83,50 @@ def critical_path(spans: Sequence[Span]) -> list[bytes]:
         else:
             children.setdefault(parent, []).append(s)
 
-    # Only a pure parent cycle leaves no root; then any span is as good a start
-    # as another, so use the same rule over all of them.
-    candidates = roots or list(by_id.values())
-    root = max(candidates, key=lambda s: (s.end_unix_nano, s.duration_ns, s.span_id))
+    if root is not None:
+        top = by_id[root]
+    else:
+        # Only a pure parent cycle leaves no root; then any span is as good a start
+        # as another, so use the same rule over all of them.
+        candidates = roots or list(by_id.values())
+        top = max(candidates, key=lambda s: (s.end_unix_nano, s.duration_ns, s.span_id))
 
-    # (start, depth, span_id): depth breaks start ties so a parent precedes a
+    # (start, depth, span, self time): depth breaks start ties so a parent precedes a
     # child that starts with it.
-    on_path: list[tuple[int, int, bytes]] = []
+    on_path: list[tuple[int, int, bytes, Span, int]] = []
     visited: set[bytes] = set()
-    # (span, its end cut at its parent's effective end, depth)
-    stack: list[tuple[Span, int, int]] = [(root, root.end_unix_nano, 0)]
+    # (span, its start and end cut to its parent's effective interval, depth)
+    top_end = max(top.end_unix_nano, top.start_unix_nano)
+    stack: list[tuple[Span, int, int, int]] = [(top, top.start_unix_nano, top_end, 0)]
     while stack:
-        span, eff_end, depth = stack.pop()
+        span, eff_start, eff_end, depth = stack.pop()
         if span.span_id in visited:
             continue
         visited.add(span.span_id)
-        on_path.append((span.start_unix_nano, depth, span.span_id))
-
+        waited = 0
         kids = children.get(span.span_id)
-        if not kids:
-            continue
-        # Latest (clamped) end first; on equal ends the longer child, then the
-        # span id, so the answer does not depend on input order.
-        ordered = sorted(
-            kids,
-            key=lambda c: (min(c.end_unix_nano, eff_end), -c.start_unix_nano, c.span_id),
-            reverse=True,
-        )
-        cursor = eff_end
-        for child in ordered:
-            if cursor <= span.start_unix_nano:
-                break
-            child_end = min(child.end_unix_nano, eff_end)
-            if child_end > cursor or child.start_unix_nano >= cursor:
-                # Ends after the cursor (overlapped by a later pick), or lies
-                # wholly after it: the parent was not waiting on it.
-                continue
-            stack.append((child, child_end, depth + 1))
-            cursor = child.start_unix_nano
+        if kids:
+            # Latest (clamped) end first; on equal ends the longer child, then the
+            # span id, so the answer does not depend on input order.
+            ordered = sorted(
+                kids,
+                key=lambda c: (min(c.end_unix_nano, eff_end), -c.start_unix_nano, c.span_id),
+                reverse=True,
+            )
+            cursor = eff_end
+            for child in ordered:
+                if cursor <= eff_start:
+                    break
+                child_end = min(child.end_unix_nano, eff_end)
+                if child_end > cursor or child.start_unix_nano >= cursor or child.span_id in visited:
+                    # Ends after the cursor (overlapped by a later pick), or lies
+                    # wholly after it: the parent was not waiting on it.
+                    continue
+                child_start = max(child.start_unix_nano, eff_start)
+                stack.append((child, child_start, child_end, depth + 1))
+                waited += child_end - child_start
+                cursor = child.start_unix_nano
+        on_path.append((span.start_unix_nano, depth, span.span_id, span, max(eff_end - eff_start - waited, 0)))
 
-    on_path.sort()
-    return [span_id for _, _, span_id in on_path]
+    on_path.sort(key=lambda p: (p[0], p[1], p[2]))
+    return [(span, self_ns) for _, _, _, span, self_ns in on_path]

@@ -100,9 +100,9 @@ class LatencyWindows:
 
         self.late_spans = 0
         self.overflow_spans = 0
-        # window start -> stream -> durations (ns). Keyed by start first so that
-        # closing walks only the few oldest starts, not every stream.
-        self._open: dict[int, dict[Stream, list[int]]] = {}
+        # window start -> stream -> (duration ns, trace id, span id). Keyed by start first
+        # so that closing walks only the few oldest starts, not every stream.
+        self._open: dict[int, dict[Stream, list[tuple[int, bytes, bytes]]]] = {}
         # Known streams -> largest end time seen on them. This is what the
         # cardinality limit counts. A stream is forgotten in close() once its
         # last span ended more than 2 windows before the watermark; by then it
@@ -148,7 +148,7 @@ class LatencyWindows:
             # A span whose clock stepped back (end < start) has no real latency
             # to report; 0 keeps quantiles meaningful instead of negative.
             duration = max(end - span.start_unix_nano, 0)
-            self._open.setdefault(start, {}).setdefault(stream, []).append(duration)
+            self._open.setdefault(start, {}).setdefault(stream, []).append((duration, span.trace_id, span.span_id))
 
     # -- output ------------------------------------------------------------
 
@@ -223,7 +223,8 @@ class LatencyWindows:
         for start in starts:
             by_stream = self._open.pop(start)
             for (service, operation) in sorted(by_stream):
-                values = sorted(by_stream[(service, operation)])
+                samples = sorted(by_stream[(service, operation)])
+                values = [d for d, _, _ in samples]
                 out.append(
                     LatencyWindow(
                         service=service,
@@ -235,6 +236,7 @@ class LatencyWindows:
                         p95_ns=nearest_rank(values, 0.95),
                         p99_ns=nearest_rank(values, 0.99),
                         max_ns=values[-1],
+                        samples=tuple(samples),
                     )
                 )
         return out

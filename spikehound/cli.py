@@ -111,19 +111,49 @@ def _print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
 
 
+def _print_spikes(spikes: Sequence[dict[str, Any]]) -> None:
+    rows = [(s["id"], s["state"], s["start"], s["service"], s["operation"],
+             f"{s['p99_ms']:.1f}", f"{s['baseline_p99_ms']:.1f}",
+             s["causes"][0]["summary"] if s["causes"] else "-") for s in spikes]
+    if not rows:
+        print("no spikes")
+        return
+    _print_table(rows, ("ID", "STATE", "START", "SERVICE", "OPERATION", "P99 MS", "BASE MS", "TOP CAUSE"))
+
+
 def cmd_spikes(args: argparse.Namespace) -> int:
     body = _api_get(args.api_url, "/api/v1/spikes", {"since": args.since, "service": args.service,
                                                      "state": args.state})
     if args.json:
         print(json.dumps(body, indent=2))
         return 0
-    rows = [(s["id"], s["state"], s["start"], s["service"], s["operation"],
-             f"{s['p99_ms']:.1f}", f"{s['baseline_p99_ms']:.1f}",
-             s["causes"][0]["summary"] if s["causes"] else "-") for s in body["spikes"]]
-    if not rows:
-        print("no spikes")
-        return 0
-    _print_table(rows, ("ID", "STATE", "START", "SERVICE", "OPERATION", "P99 MS", "BASE MS", "TOP CAUSE"))
+    _print_spikes(body["spikes"])
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from collector.api import spike_json
+    from collector.detection import detection_settings
+    from collector.replay import replay
+    from spikehound.otlp_file import OtlpFileError
+
+    cfg = load(args.config)
+    try:
+        result = replay(args.files, detection_settings(cfg))
+    except OtlpFileError as exc:
+        print(f"spikehound replay: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"spikehound replay: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    spikes = [spike_json(s) for s in result.spikes]
+    if args.format == "json":
+        print(json.dumps({"spikes": spikes}, indent=2))
+    else:
+        _print_spikes(spikes)
+    print(f"replayed {result.records} records: {result.spans} spans, {result.points} metric points, "
+          f"{result.rejected} rejected as invalid, {result.windows} latency windows, {len(spikes)} spikes",
+          file=sys.stderr)
     return 0
 
 
@@ -191,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("id", help="spike id")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("replay", help="backtest: run recorded OTLP files through the detectors in event time "
+                                      "and print the spikes found")
+    p.add_argument("files", nargs="+", metavar="FILE", help="OTLP JSON lines (as the OpenTelemetry file exporter "
+                   "writes them) or protobuf (length-prefixed messages, or one request body)")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration whose [detection] and window settings "
+                   "to use (default: $SPIKEHOUND_CONFIG)")
+    p.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("demo", help="run a collector and an instrumented app on a temporary SQLite database")
     p.add_argument("--requests", type=int, default=600, help="requests the demo app sends (default 600)")

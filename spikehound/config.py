@@ -158,6 +158,36 @@ class AgentConfig:
 
 
 @dataclass(slots=True)
+class DetectionConfig:
+    """When a p99 rise is a spike, and how much the detectors may hold; see docs/detection.md."""
+
+    # false keeps latency windows (the /api/v1/latency series) but detects no spikes.
+    enabled: bool = True
+    # A spike's p99 is at least this share above the stream's learned baseline...
+    min_rise: float = 0.2
+    # ... and at least this many milliseconds above it (2 ms -> 3 ms at 3 a.m. pages nobody) ...
+    min_abs_rise_ms: float = 5.0
+    # ... and its count of requests slower than the baseline p99 has odds under 10^-min_score.
+    min_score: float = 6.0
+    # Windows with fewer requests are judged merged with the ones before them.
+    min_requests: int = 40
+    # How many windows back a low-traffic stream may merge.
+    max_merge_windows: int = 12
+    # Normal windows a stream learns before it is judged at all.
+    grace_windows: int = 12
+    # Normal windows the rolling baseline covers (90 x 10 s = 15 minutes).
+    baseline_windows: int = 90
+    # Calm windows in a row that resolve a spike.
+    resolve_windows: int = 2
+    # Spans of recent traces held in memory for attribution (about 300 bytes each).
+    trace_buffer_spans: int = 200_000
+    # Causes kept per spike.
+    max_causes: int = 5
+    # Seconds between checkpoints of the learned state to storage (also written at shutdown).
+    checkpoint_seconds: float = 60.0
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["plain", "json"] = "plain"
@@ -171,6 +201,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     collector: CollectorConfig = field(default_factory=CollectorConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    detection: DetectionConfig = field(default_factory=DetectionConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -307,14 +338,17 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                 "storage.metric_retention_hours": cfg.storage.metric_retention_hours,
                 "agent.interval": cfg.agent.interval, "agent.memory_queue_bytes": cfg.agent.memory_queue_bytes,
                 "agent.spool_max_bytes": cfg.agent.spool_max_bytes,
-                "agent.max_request_bytes": cfg.agent.max_request_bytes}
+                "agent.max_request_bytes": cfg.agent.max_request_bytes,
+                **{f"detection.{f.name}": getattr(cfg.detection, f.name)
+                   for f in dataclasses.fields(cfg.detection) if f.name not in ("min_abs_rise_ms", "enabled")}}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     for key, value in {"collector.allowed_lateness_seconds": c.allowed_lateness_seconds,
                        "collector.idle_flush_seconds": c.idle_flush_seconds,
                        "collector.retry_after_seconds": c.retry_after_seconds,
-                       "agent.drain_seconds": cfg.agent.drain_seconds}.items():
+                       "agent.drain_seconds": cfg.agent.drain_seconds,
+                       "detection.min_abs_rise_ms": cfg.detection.min_abs_rise_ms}.items():
         if value < 0:
             raise ConfigError(f"{named(key)}: must not be negative, got {value}")
     if not c.api.is_loopback and not c.api_token:

@@ -15,7 +15,7 @@ nanoseconds since the Unix epoch (event time, as the sender stamped them).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 AttributeValue = str | bool | int | float | list[Any] | dict[str, Any] | bytes | None
@@ -143,7 +143,11 @@ class MetricPoint:
 
 @dataclass(slots=True, frozen=True)
 class LatencyWindow:
-    """The latency of one stream, (service, operation), over one closed event-time window."""
+    """The latency of one stream, (service, operation), over one closed event-time window.
+
+    ``samples`` holds the window's requests as ``(duration_ns, trace_id, span_id)``, slowest last,
+    for the detectors (low-traffic merging, exemplars, attribution); it is not stored.
+    """
 
     service: str
     operation: str
@@ -154,6 +158,7 @@ class LatencyWindow:
     p95_ns: int
     p99_ns: int
     max_ns: int
+    samples: tuple[tuple[int, bytes, bytes], ...] = field(default=(), compare=False, repr=False)
 
 
 class CauseKind(enum.StrEnum):

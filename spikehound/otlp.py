@@ -389,6 +389,42 @@ def decode_metrics(req: ExportMetricsServiceRequest, body: bytes | None = None) 
     return out
 
 
+def encode_points(points: Iterable[MetricPoint]) -> ExportMetricsServiceRequest:
+    """Build an OTLP request from resource samples: one ResourceMetrics per host, one metric per (name, kind).
+
+    The inverse of ``decode_metrics`` (replays and tests send generated samples with it).
+
+    >>> req = encode_points([MetricPoint(host="gpu-1", name="hw.gpu.utilization", attributes={"hw.id": "GPU-0"},
+    ...                                  time_unix_nano=10, value=0.5, kind=MetricKind.GAUGE, unit="1")])
+    >>> [(p.host, p.name, p.value) for p in decode_metrics(req).points]
+    [('gpu-1', 'hw.gpu.utilization', 0.5)]
+    """
+    req = ExportMetricsServiceRequest()
+    hosts: dict[str, Any] = {}
+    metrics: dict[tuple[str, str, MetricKind, str], Any] = {}
+    for p in points:
+        scope = hosts.get(p.host)
+        if scope is None:
+            rm = req.resource_metrics.add()
+            set_any_value(rm.resource.attributes.add(key="host.name").value, p.host)
+            scope = hosts[p.host] = rm.scope_metrics.add()
+        key = (p.host, p.name, p.kind, p.unit)
+        data = metrics.get(key)
+        if data is None:
+            metric = scope.metrics.add(name=p.name, unit=p.unit)
+            if p.kind == MetricKind.GAUGE:
+                data = metric.gauge
+            else:
+                data = metric.sum
+                data.is_monotonic = True
+                data.aggregation_temporality = 2 if p.kind == MetricKind.SUM_CUMULATIVE else 1
+            metrics[key] = data
+        dp = data.data_points.add(time_unix_nano=p.time_unix_nano, start_time_unix_nano=p.start_unix_nano,
+                                  as_double=p.value)
+        _set_attributes(dp.attributes, p.attributes)
+    return req
+
+
 def count_items(req: ExportTraceServiceRequest | ExportMetricsServiceRequest) -> int:
     """Spans or data points in a request, without decoding them (cheap: for early refusals)."""
     if isinstance(req, ExportTraceServiceRequest):

@@ -90,24 +90,23 @@ class Writer:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         dialect = engine.dialect.name
-        self._insert = sqlite.insert if dialect == "sqlite" else postgresql.insert
         self._cache = _Caches()
         self._block = schema.span_blocks.insert().returning(schema.span_blocks.c.id)
         # One index row per (trace, block): plain DB-API executemany on tuples, no per-row Core processing.
         mark = "?" if dialect == "sqlite" else "%s"
         self._trace_block_sql = (f"INSERT INTO trace_blocks (trace_id, block_id) VALUES ({mark}, {mark}) "
                                  "ON CONFLICT DO NOTHING")
-        self._operations = self._insert(schema.operations).on_conflict_do_nothing()
-        self._points = self._insert(schema.metric_points).on_conflict_do_nothing()
-        self._series = self._insert(schema.metric_series).on_conflict_do_nothing()
-        hosts = self._insert(schema.hosts)
+        self._operations = upsert(engine, schema.operations).on_conflict_do_nothing()
+        self._points = upsert(engine, schema.metric_points).on_conflict_do_nothing()
+        self._series = upsert(engine, schema.metric_series).on_conflict_do_nothing()
+        hosts = upsert(engine, schema.hosts)
         self._hosts = hosts.on_conflict_do_update(index_elements=["host"],
                                                   set_={"last_seen_at": hosts.excluded.last_seen_at})
-        windows = self._insert(schema.latency_windows)
+        windows = upsert(engine, schema.latency_windows)
         self._windows = windows.on_conflict_do_update(
             index_elements=["service", "operation", "start_ns"],
             set_={c: windows.excluded[c] for c in ("end_ns", "count", "p50_ns", "p95_ns", "p99_ns", "max_ns")})
-        spikes = self._insert(schema.spikes)
+        spikes = upsert(engine, schema.spikes)
         self._spikes = spikes.on_conflict_do_update(
             index_elements=["id"],
             set_={c: spikes.excluded[c] for c in ("state", "end_ns", "p99_ns", "baseline_p99_ns",
@@ -196,6 +195,11 @@ class Writer:
         } for s in spikes for rank, c in enumerate(s.causes)]
         if cause_rows:
             conn.execute(schema.causes.insert(), _fit_rows(schema.causes, cause_rows))
+
+
+def upsert(engine: Engine, table: Table) -> Any:
+    """The dialect's INSERT, which has ``on_conflict_do_update`` / ``on_conflict_do_nothing``."""
+    return (sqlite.insert if engine.dialect.name == "sqlite" else postgresql.insert)(table)
 
 
 def _window_row(w: LatencyWindow) -> dict[str, Any]:

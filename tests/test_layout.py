@@ -25,7 +25,7 @@ IO_MODULES = frozenset({
     "sqlalchemy", "alembic", "psycopg", "aiohttp", "grpc", "requests", "prometheus_client", "pynvml", "psutil",
 })
 # Pure computation libraries a detector may use.
-PURE_LIBRARIES = frozenset({"river", "numpy"})
+PURE_LIBRARIES = frozenset({"river", "numpy", "scipy", "orjson"})
 
 
 def module_name(path: Path) -> str:

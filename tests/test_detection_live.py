@@ -1,0 +1,145 @@
+"""Detection inside a running collector: live ingest against replay, and a restart in the middle of a spike.
+
+Traffic is the scenario generator's (benchmarks/traffic.py), sent as real OTLP/HTTP requests to a real
+collector; the replay reads the same requests from a recorded file through ``spikehound replay``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from benchmarks.traffic import Scenario
+from tests.daemons import CollectorProcess, CollectorThread, collector_config
+from tests.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+
+pytestmark = pytest.mark.slow
+
+
+def _scenario() -> Scenario:
+    # Three and a half minutes of warm-up (21 windows), a one-minute slow feature query, then calm.
+    return Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
+
+
+def _spikes(api: str) -> list[dict[str, Any]]:
+    response = requests.get(f"{api}/api/v1/spikes", timeout=10)
+    response.raise_for_status()
+    return response.json()["spikes"]
+
+
+def _settled(api: str, metric: Any, timeout: float = 60) -> list[dict[str, Any]]:
+    """The spikes once the collector has closed every window (the windows counter stopped moving)."""
+    deadline = time.monotonic() + timeout
+    last, stable_since = -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        closed = metric()
+        if closed != last:
+            last, stable_since = closed, time.monotonic()
+        elif time.monotonic() - stable_since > 3 and closed > 0:
+            return _spikes(api)
+        time.sleep(0.25)
+    raise AssertionError("the collector kept closing windows")
+
+
+def _metric(api: str, name: str) -> float:
+    text = requests.get(f"{api}/metrics", timeout=10).text
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+
+
+def _essence(spike: dict[str, Any]) -> tuple[Any, ...]:
+    causes = tuple((c["kind"], c["service"], c["operation"], c["peer_service"], c["host"], c["resource"],
+                    round(c["score"], 6)) for c in spike["causes"])
+    return (spike["id"], spike["service"], spike["operation"], spike["state"], spike["start"], spike["end"],
+            spike["p99_ms"], spike["baseline_p99_ms"], causes, tuple(spike["exemplar_trace_ids"]))
+
+
+def _replay(*files: Path) -> list[dict[str, Any]]:
+    exe = shutil.which("spikehound", path=str(Path(sys.executable).parent))
+    assert exe, "spikehound is not installed in this environment"
+    done = subprocess.run([exe, "replay", "--format", "json", *map(str, files)], capture_output=True, text=True,
+                          timeout=300, check=True)
+    return json.loads(done.stdout)["spikes"]
+
+
+def test_replay_finds_what_live_ingest_found(tmp_path: Path):
+    bodies = scenario_requests(_scenario())
+    recording = tmp_path / "capture.binpb"
+    write_protobuf(recording, bodies)
+    with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'live.db'}")) as live:
+        send(live.http_endpoint, bodies)
+        live_spikes = _settled(live.api, lambda: live.metric("spikehound_latency_windows_closed_total"))
+
+    # The fault is found on the entry stream and on the service that ran the slow query, and named.
+    found = {(s["service"], s["operation"]) for s in live_spikes}
+    assert ("gateway", "POST /v1/predict") in found and ("preprocess", "/preprocess") in found
+    for spike in live_spikes:
+        assert spike["state"] == "resolved"
+        top = spike["causes"][0]
+        assert (top["kind"], top["service"], top["operation"]) == ("span", "preprocess", "SELECT features"), top
+
+    assert [_essence(s) for s in _replay(recording)] == [_essence(s) for s in live_spikes]
+
+
+def test_replay_reads_json_lines_as_the_file_exporter_writes_them(tmp_path: Path):
+    bodies = scenario_requests(_scenario())
+    write_protobuf(tmp_path / "capture.binpb", bodies)
+    write_json_lines(tmp_path / "capture.jsonl", bodies)
+    from_json = _replay(tmp_path / "capture.jsonl")
+    assert from_json, "the JSON lines replay found nothing"
+    assert [_essence(s) for s in from_json] == [_essence(s) for s in _replay(tmp_path / "capture.binpb")]
+
+
+def test_replay_names_an_unreadable_file(tmp_path: Path):
+    bad = tmp_path / "notes.jsonl"
+    bad.write_text('{"resourceSpans": []}\nthis is not json\n')
+    exe = shutil.which("spikehound", path=str(Path(sys.executable).parent))
+    done = subprocess.run([exe, "replay", str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"{bad}: line 2: not JSON" in done.stderr
+
+
+def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path: Path):
+    sc = _scenario()
+    bodies = scenario_requests(sc)
+    # Stop 25 s into the fault: the spike is open by then (one window plus the lateness). Every second of
+    # the scenario is two requests, its spans and its metric samples.
+    cut = 2 * (int(sc.onset_s) + 25)
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
+    collector.start()
+    try:
+        send(collector.http_endpoint, bodies[:cut])
+        deadline = time.monotonic() + 30
+        while not any(s["state"] == "open" for s in _spikes(collector.api)):
+            assert time.monotonic() < deadline, f"no spike opened before the restart: {collector.log_tail()}"
+            time.sleep(0.25)
+        before = {(s["service"], s["operation"]): s for s in _spikes(collector.api)}
+        assert collector.terminate() == 0
+
+        collector.start()
+        assert "detectors restored from the checkpoint" in collector.log_text()
+        # Before any new data: the open spikes and the learned streams are back.
+        assert _metric(collector.api, "spikehound_spikes_open") == len([s for s in before.values()
+                                                                         if s["state"] == "open"])
+        assert _metric(collector.api, "spikehound_detector_streams") >= 3
+        send(collector.http_endpoint, bodies[cut:])
+        after = _settled(collector.api, lambda: _metric(collector.api, "spikehound_latency_windows_closed_total"))
+    finally:
+        collector.kill()
+
+    # The same spikes, by id, now resolved: the restored baseline judged the calm windows after the fault.
+    # A collector that had re-learned from scratch would have taken the slow windows as normal and never
+    # resolved them, or opened new spikes once warm again.
+    assert {(s["service"], s["operation"]) for s in after} == set(before)
+    for spike in after:
+        earlier = before[(spike["service"], spike["operation"])]
+        assert spike["id"] == earlier["id"] and spike["start"] == earlier["start"]
+        assert spike["state"] == "resolved" and spike["end"] is not None
+        assert spike["baseline_p99_ms"] == earlier["baseline_p99_ms"]

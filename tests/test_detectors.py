@@ -1,0 +1,261 @@
+"""The detectors on their own: the River contract, spike judgement, memory bounds and event-time order."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import tracemalloc
+from typing import Any
+
+import pytest
+from river import base
+
+from benchmarks.traffic import Scenario
+from detectors.engine import DetectionEngine
+from detectors.p99_spike import P99SpikeDetector
+from detectors.resource import ResourceDetector
+from detectors.settings import DetectionSettings
+from detectors.spike_tracker import SpikeTracker
+from spikehound.model import LatencyWindow, Span, SpanKind, StatusCode
+
+NS = 1_000_000_000
+MS = 1_000_000
+WINDOW = 10 * NS
+
+
+# --- the River contract, shared by every detector ---------------------------------------------------------
+
+def _inputs(detector: base.AnomalyDetector, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    if isinstance(detector, P99SpikeDetector):
+        return [{"p99": rng.lognormvariate(-2.5, 0.1), "count": 400, "exceed": rng.randrange(0, 9)}
+                for _ in range(40)]
+    return [{"value": rng.gauss(0.7, 0.05)} for _ in range(40)]
+
+
+@pytest.mark.parametrize("cls", [P99SpikeDetector, ResourceDetector])
+def test_every_detector_keeps_the_river_contract(cls: type[base.AnomalyDetector]):
+    for params in cls._unit_test_params():
+        detector = cls(**params)
+        assert isinstance(detector, base.AnomalyDetector)
+        # Constructor arguments are stored as given, so clone() and repr() describe the detector.
+        assert {k: v for k, v in detector._get_params().items() if k in params} == params
+        fresh = detector.clone()
+        assert fresh._get_params() == detector._get_params() and fresh is not detector
+
+        inputs = _inputs(detector, seed=1)
+        assert detector.score_one(inputs[0]) == 0.0, "scores before the grace period are 0"
+        for x in inputs:
+            assert detector.learn_one(x) is None
+        probe = [*_inputs(detector, seed=2)[:5], {"p99": 1.0, "count": 400, "exceed": 120}, {"value": 0.1}]
+        probe = [x for x in probe if set(x) == set(inputs[0])]
+        scores = [detector.score_one(x) for x in probe]
+        assert all(isinstance(s, float) for s in scores)
+        assert scores[-1] > 3, "an extreme input scores high"
+
+        # Same input, same answers: after a clone that learns the same, and after a pickle round trip
+        # (which is how the collector checkpoints them).
+        twin = detector.clone()
+        for x in inputs:
+            twin.learn_one(x)
+        assert [twin.score_one(x) for x in probe] == scores
+        assert [pickle.loads(pickle.dumps(detector)).score_one(x) for x in probe] == scores
+
+
+# --- spike judgement --------------------------------------------------------------------------------------
+
+def _window(k: int, durations_ms: list[float], operation: str = "POST /predict") -> LatencyWindow:
+    samples = sorted((int(d * MS), k.to_bytes(8, "big") + i.to_bytes(8, "big"), i.to_bytes(8, "big"))
+                     for i, d in enumerate(durations_ms))
+    values = [d for d, _, _ in samples]
+
+    def q(p: float) -> int:
+        return values[min(len(values) - 1, max(0, -(-int(p * 100) * len(values) // 100) - 1))]
+
+    return LatencyWindow("api", operation, k * WINDOW, (k + 1) * WINDOW, len(values), q(0.5), q(0.95), q(0.99),
+                         values[-1], samples=tuple(samples))
+
+
+def _normal(rng: random.Random, n: int, median_ms: float = 50.0) -> list[float]:
+    return [median_ms * rng.lognormvariate(0, 0.2) for _ in range(n)]
+
+
+def _judge_all(tracker: SpikeTracker, windows: list[LatencyWindow]) -> list[tuple[int, str]]:
+    events = []
+    for w in windows:
+        _, evs = tracker.judge(w, w.end_unix_nano + 5 * NS)
+        events += [(w.start_unix_nano // WINDOW, e.kind) for e in evs]
+    return events
+
+
+def test_a_sustained_rise_opens_a_spike_in_its_first_window_and_resolves_after_calm_windows():
+    rng = random.Random(1)
+    tracker = SpikeTracker(DetectionSettings())
+    windows = [_window(k, _normal(rng, 300)) for k in range(30)]
+    windows += [_window(k, [d + 30 for d in _normal(rng, 300)]) for k in range(30, 36)]
+    windows += [_window(k, _normal(rng, 300)) for k in range(36, 45)]
+    events = _judge_all(tracker, windows)
+    assert events[0] == (30, "opened")
+    assert events[-1] == (37, "resolved"), "two calm windows resolve it"
+    assert [e for e in events if e[1] == "opened"] == [(30, "opened")]
+
+
+def test_a_spike_is_not_learned_as_normal():
+    rng = random.Random(2)
+    tracker = SpikeTracker(DetectionSettings(resolve_windows=2))
+    for k in range(30):
+        tracker.judge(_window(k, _normal(rng, 300)), 0)
+    baseline = tracker.baseline_ns(("api", "POST /predict"))
+    for k in range(30, 60):  # five minutes of spike
+        tracker.judge(_window(k, [d * 2 for d in _normal(rng, 300)]), 0)
+    assert tracker.baseline_ns(("api", "POST /predict")) == baseline
+    assert tracker.open_count == 1
+
+
+def test_lone_stalls_and_tiny_rises_page_nobody():
+    rng = random.Random(3)
+    tracker = SpikeTracker(DetectionSettings())
+    windows = []
+    for k in range(60):
+        durations = _normal(rng, 300)
+        if k % 7 == 0:
+            durations[0] = 900.0  # one request stalls for almost a second
+            durations[1] = 700.0
+        windows.append(_window(k, durations))
+    assert _judge_all(tracker, windows) == []
+
+    tiny = SpikeTracker(DetectionSettings())
+    windows = [_window(k, _normal(rng, 300, median_ms=2.0)) for k in range(30)]
+    windows += [_window(k, _normal(rng, 300, median_ms=3.0)) for k in range(30, 40)]  # 2 ms -> 3 ms
+    assert _judge_all(tiny, windows) == []
+
+
+def test_a_low_traffic_stream_is_judged_over_merged_windows_and_its_spike_found_within_two_minutes():
+    rng = random.Random(4)
+    tracker = SpikeTracker(DetectionSettings())
+    # One request every two seconds: five a window.
+    windows = [_window(k, _normal(rng, 5)) for k in range(150)]
+    windows += [_window(k, [d + 80 for d in _normal(rng, 5)]) for k in range(150, 170)]
+    events = _judge_all(tracker, windows)
+    opened = [k for k, kind in events if kind == "opened"]
+    assert len(opened) == 1 and 150 <= opened[0] <= 162, events
+
+
+def test_a_low_traffic_stream_waits_for_enough_requests():
+    tracker = SpikeTracker(DetectionSettings(min_requests=40, max_merge_windows=6))
+    rng = random.Random(5)
+    for k in range(100):  # one request a window: never 40 within six windows, so never judged
+        judgement, events = tracker.judge(_window(k, _normal(rng, 1, median_ms=500.0 if k > 80 else 50.0)), 0)
+        assert judgement is None and events == []
+
+
+# --- memory bounds ----------------------------------------------------------------------------------------
+
+def _entry(i: int, name: str, end_ns: int) -> Span:
+    return Span(trace_id=i.to_bytes(16, "big"), span_id=i.to_bytes(8, "big"), parent_span_id=None,
+                service="api", host="h1", name=name, kind=SpanKind.SERVER, start_unix_nano=end_ns - 5 * MS,
+                end_unix_nano=end_ns, status=StatusCode.UNSET)
+
+
+def test_a_cardinality_bomb_keeps_memory_bounded_and_counts_the_overflow():
+    settings = DetectionSettings(max_streams=1_000, trace_buffer_spans=5_000)
+    engine = DetectionEngine(settings)
+    t0 = 1_767_225_600 * NS
+
+    def feed(first: int, last: int) -> None:
+        # 100 distinct operation names a second, each seen once: an id baked into the span name.
+        for i in range(first, last, 100):
+            end = t0 + (i // 100) * NS
+            engine.add([_entry(j, f"GET /user/{j}", end) for j in range(i, i + 100)])
+            engine.advance()
+
+    tracemalloc.start()
+    try:
+        feed(0, 20_000)
+        after_20k = tracemalloc.get_traced_memory()[0]
+        feed(20_000, 100_000)
+        after_100k = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    stats = engine.stats()
+    assert stats["streams"] <= 1_000 and stats["judged_streams"] <= 1_000 and len(engine.profiles) <= 1_000
+    assert stats["trace_buffer_spans"] <= 5_000
+    # Names seen while 1,000 were tracked could not be tracked: each of their spans is counted.
+    assert stats["overflow_spans"] >= 50_000, stats
+    # Five times the names, (almost) no more memory: everything that grows with names is capped.
+    assert after_100k < after_20k * 1.3, (after_20k, after_100k)
+
+
+def test_the_overflow_is_counted_per_span():
+    engine = DetectionEngine(DetectionSettings(max_streams=10))
+    t0 = 1_767_225_600 * NS
+    engine.add([_entry(j, f"op-{j}", t0 + NS) for j in range(25)])
+    assert engine.stats()["overflow_spans"] == 15
+
+
+# --- event time -------------------------------------------------------------------------------------------
+
+def _run(batches: list[tuple[list[Span], list[Any]]], restart_at: int | None = None
+         ) -> tuple[list[Any], dict[str, Any]]:
+    """Windows (as tuples) and spikes (by id) of one engine run; ``restart_at`` continues from a snapshot there."""
+    engine = DetectionEngine(DetectionSettings())
+    windows, spikes = [], {}
+    for i, (spans, points) in enumerate(batches):
+        if i == restart_at:  # checkpoint, and continue in a new engine as a restarted collector does
+            engine = DetectionEngine.restore(DetectionSettings(), engine.snapshot())
+        engine.add(spans, points)
+        step = engine.advance()
+        windows += step.windows
+        spikes.update((s.id, s) for s in step.spikes)
+    step = engine.flush()
+    windows += step.windows
+    spikes.update((s.id, s) for s in step.spikes)
+    return [(w.service, w.operation, w.start_unix_nano, w.count, w.p50_ns, w.p99_ns, w.max_ns) for w in windows], \
+        spikes
+
+
+def test_late_and_out_of_order_spans_within_the_lateness_change_nothing():
+    sc = Scenario("queue_wait", "large", seed=5, minutes=5, onset_s=205.0, fault_s=50.0)
+    batches = [(b.spans, b.points) for b in sc.batches()]
+    in_order_windows, in_order_spikes = _run(batches)
+    assert in_order_spikes, "the scenario raises a spike"
+
+    # Reshuffle: every span moves to a random second up to 4 s later (the lateness is 5 s), and each
+    # second's spans arrive in random order. Metric samples too.
+    rng = random.Random(9)
+    late: list[tuple[list[Span], list[Any]]] = [([], []) for _ in range(len(batches) + 5)]
+    for i, (spans, points) in enumerate(batches):
+        for span in spans:
+            late[i + rng.randrange(0, 4)][0].append(span)
+        for point in points:
+            late[i + rng.randrange(0, 4)][1].append(point)
+    for spans, points in late:
+        rng.shuffle(spans)
+        rng.shuffle(points)
+    shuffled_windows, shuffled_spikes = _run(late)
+
+    assert shuffled_windows == in_order_windows
+    assert shuffled_spikes.keys() == in_order_spikes.keys()
+    for spike_id, spike in in_order_spikes.items():
+        other = shuffled_spikes[spike_id]
+        assert (other.start_unix_nano, other.end_unix_nano, other.p99_ns, other.baseline_p99_ns) == \
+            (spike.start_unix_nano, spike.end_unix_nano, spike.p99_ns, spike.baseline_p99_ns)
+        assert [(c.kind, c.service, c.operation, c.host) for c in other.causes] == \
+            [(c.kind, c.service, c.operation, c.host) for c in spike.causes]
+
+
+def test_the_learned_state_survives_a_snapshot():
+    sc = Scenario("network_hop", "large", seed=6, minutes=5, onset_s=215.0, fault_s=40.0)
+    batches = [(b.spans, b.points) for b in sc.batches()]
+    whole_windows, whole_spikes = _run(batches)
+    windows, spikes = _run(batches, restart_at=225)  # mid-spike
+    assert any(s.start_unix_nano < sc.start_ns + 225 * NS < (s.end_unix_nano or 0) for s in whole_spikes.values())
+    assert windows == whole_windows
+    assert {k: (s.start_unix_nano, s.end_unix_nano, s.state) for k, s in spikes.items()} == \
+        {k: (s.start_unix_nano, s.end_unix_nano, s.state) for k, s in whole_spikes.items()}
+
+
+def test_a_checkpoint_of_another_window_length_is_refused():
+    blob = DetectionEngine(DetectionSettings()).snapshot()
+    with pytest.raises(ValueError, match="window length"):
+        DetectionEngine.restore(DetectionSettings(window_ns=30 * NS), blob)
