@@ -172,19 +172,18 @@ def _serving_host(key: Key, slow: Sequence[Breakdown], profile: NormalProfile) -
 
 def _component_cause(key: Key, host: str | None, score: float, base: float, obs: float) -> Cause:
     kind, service, operation, peer = key
-    share = f"{score:.0%} of the added latency"
     if kind == "network":
         summary = (f"The hop {peer} -> {service} ({operation}) spent {obs:.1f} ms in the network and queues per "
-                   f"slow request against {base:.1f} ms normally ({share}).")
+                   f"slow request against {base:.1f} ms normally.")
         return Cause(kind=CauseKind.NETWORK, score=score, summary=summary, service=service, operation=operation,
                      peer_service=peer, host=host, baseline=round(base, 3), observed=round(obs, 3), unit="ms")
     if kind == "service":
         summary = (f"Service {service} held the critical path for {obs:.1f} ms per slow request against "
-                   f"{base:.1f} ms normally ({share}).")
+                   f"{base:.1f} ms normally.")
         return Cause(kind=CauseKind.SERVICE, score=score, summary=summary, service=service, host=host,
                      baseline=round(base, 3), observed=round(obs, 3), unit="ms")
     summary = (f"Span {operation} of {service} took {obs:.1f} ms of the critical path per slow request "
-               f"against {base:.1f} ms normally ({share}).")
+               f"against {base:.1f} ms normally.")
     return Cause(kind=CauseKind.SPAN, score=score, summary=summary, service=service, operation=operation,
                  host=host, baseline=round(base, 3), observed=round(obs, 3), unit="ms")
 

