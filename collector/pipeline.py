@@ -55,6 +55,7 @@ class IngestPipeline:
         self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
         self._failures = 0
         self._stopping = False
+        self.commit_hooks: list[Callable[[WriteBatch], None]] = []  # told of every committed batch, on the writer
         telemetry.add_counter_source(lambda: {
             "spikehound_latency_late_spans": ("Entry spans that arrived after their window closed "
                                               "(stored, not counted in window percentiles).",
@@ -112,6 +113,8 @@ class IngestPipeline:
     def _write_and_window(self, batch: WriteBatch) -> list[LatencyWindow]:
         """On the writer thread: commit, then feed the committed spans to the windows (keeps the loop free)."""
         self.writer.write(batch)
+        for hook in self.commit_hooks:  # must not raise: the batch is already committed
+            hook(batch)
         if not batch.spans:
             return []
         self.windows.add(batch.spans)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import attrgetter, sub
 from typing import Any
 
 import orjson
@@ -151,6 +153,7 @@ class Writer:
             conn.execute(self._operations, _fit_rows(schema.operations, new_operations))
         blocks = batch.blocks or [SpanBlock(encode_spans(batch.spans).SerializeToString(), batch.spans)]
         index_rows: list[tuple[bytes, int]] = []
+        service_rows: list[dict[str, Any]] = []
         for block in blocks:
             block_id = conn.execute(self._block, {
                 "ingested_at": now_s, "span_count": len(block.spans),
@@ -158,7 +161,9 @@ class Writer:
                 "end_ns": max(s.end_unix_nano for s in block.spans), "payload": block.payload,
             }).scalar_one()
             index_rows.extend((trace_id, block_id) for trace_id in {s.trace_id for s in block.spans})
+            service_rows += _block_services(block_id, block.spans)
         conn.exec_driver_sql(self._trace_block_sql, index_rows)
+        conn.execute(schema.span_block_services.insert(), _fit_rows(schema.span_block_services, service_rows))
 
     def _write_points(self, conn: Any, points: Sequence[MetricPoint], now_s: int, pending: _Caches) -> None:
         rows = []
@@ -202,3 +207,26 @@ def _window_row(w: LatencyWindow) -> dict[str, Any]:
     return {"service": w.service, "operation": w.operation, "start_ns": w.start_unix_nano,
             "end_ns": w.end_unix_nano, "count": w.count, "p50_ns": w.p50_ns, "p95_ns": w.p95_ns,
             "p99_ns": w.p99_ns, "max_ns": w.max_ns}
+
+
+_SERVICE, _START, _END = attrgetter("service"), attrgetter("start_unix_nano"), attrgetter("end_unix_nano")
+
+
+def _block_services(block_id: int, spans: Sequence[Span]) -> list[dict[str, Any]]:
+    """The trace-search rows of one block: per service, its span start range and its longest span.
+
+    Spans of one sender's resource come together, so ``groupby`` sees few groups, and the per-span work
+    stays in C (``map``/``min``/``max``): this runs on the ingest hot path.
+    """
+    found: dict[str, list[int]] = {}
+    for service, group in groupby(spans, key=_SERVICE):
+        members = list(group)
+        starts = list(map(_START, members))
+        low, high, longest = min(starts), max(starts), max(map(sub, map(_END, members), starts))
+        seen = found.get(service)
+        if seen is None:
+            found[service] = [low, high, longest]
+        else:
+            seen[0], seen[1], seen[2] = min(seen[0], low), max(seen[1], high), max(seen[2], longest)
+    return [{"block_id": block_id, "service": service, "min_start_ns": low, "max_start_ns": high,
+             "max_duration_ns": longest} for service, (low, high, longest) in found.items()]
