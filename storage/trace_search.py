@@ -13,14 +13,15 @@ another service, over the newest ``max_spans`` spans whose blocks end in the ran
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, Result, Select, select
 
 from spikehound.model import Span
-from spikehound.otlp import decode_spans
+from spikehound.otlp import decode_spans, parse_trace_request
 from storage import schema
 
 MAX_SCANNED_SPANS = 1_000_000  # about a second of decoding: the most one search reads
@@ -55,8 +56,18 @@ class TraceQuery:
         return all(condition(s) for condition in self.conditions)
 
 
+@contextmanager
+def _streamed(conn: Connection, query: Select[Any]) -> Iterator[Result[Any]]:
+    """Rows fetched a few blocks at a time (a server-side cursor on PostgreSQL), closed even when left early."""
+    result = conn.execution_options(yield_per=FETCH_BLOCKS).execute(query)
+    try:
+        yield result
+    finally:
+        result.close()
+
+
 def _spans(payload: bytes) -> list[Span]:
-    return decode_spans(ExportTraceServiceRequest.FromString(bytes(payload))).spans
+    return decode_spans(parse_trace_request(bytes(payload))).spans
 
 
 def find_trace_ids(engine: Engine, query: TraceQuery, max_scanned_spans: int = MAX_SCANNED_SPANS) -> list[bytes]:
@@ -69,8 +80,8 @@ def find_trace_ids(engine: Engine, query: TraceQuery, max_scanned_spans: int = M
               .order_by(t.c.max_start_ns.desc(), t.c.block_id.desc()))
     latest: dict[bytes, int] = {}  # trace id -> start of its latest matching span
     scanned = 0
-    with engine.connect() as conn:
-        for payload, span_count in conn.execution_options(yield_per=FETCH_BLOCKS).execute(blocks):
+    with engine.connect() as conn, _streamed(conn, blocks) as rows:
+        for payload, span_count in rows:
             for s in _spans(payload):
                 if query.matches(s) and s.start_unix_nano > latest.get(s.trace_id, -1):
                     latest[s.trace_id] = s.start_unix_nano
@@ -112,8 +123,8 @@ def dependencies(engine: Engine, since_ns: int, until_ns: int,
               .order_by(b.c.end_ns.desc()))
     service_of: dict[bytes, str] = {}
     parent_of: dict[bytes, tuple[bytes, str]] = {}  # keyed by span id: a span stored twice counts once
-    with engine.connect() as conn:
-        for (payload,) in conn.execution_options(yield_per=FETCH_BLOCKS).execute(blocks):
+    with engine.connect() as conn, _streamed(conn, blocks) as rows:
+        for (payload,) in rows:
             for s in _spans(payload):
                 if since_ns <= s.start_unix_nano <= until_ns:
                     service_of[s.span_id] = s.service
