@@ -619,9 +619,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reference-seconds", type=float, default=3.0, help="length of the decode-only run")
     p.add_argument("--startup", type=float, default=2.0, help="seconds allowed for the senders to connect")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
+    p.add_argument("--compare-span-metrics", action="store_true",
+                   help="run with collector.span_metrics off and on, alternating, and report the loss")
+    p.add_argument("--rounds", type=int, default=2, help="off/on pairs of --compare-span-metrics (default 2)")
     args = p.parse_args(argv)
     if min(args.seconds, args.senders, args.batch, args.requests) <= 0 or args.warmup < 0:
         p.error("--seconds, --senders, --batch and --requests must be positive, --warmup not negative")
+    if args.compare_span_metrics:
+        from benchmarks.span_metrics_overhead import compare
+
+        return compare(args)
 
     try:
         res, failures = run(args)

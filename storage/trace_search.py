@@ -121,15 +121,16 @@ def dependencies(engine: Engine, since_ns: int, until_ns: int,
     b = schema.span_blocks
     blocks = (select(b.c.payload).where(b.c.end_ns >= since_ns, b.c.start_ns <= until_ns)
               .order_by(b.c.end_ns.desc()))
+    # Keyed by trace id + span id (span ids are unique within a trace only): a span stored twice counts once.
     service_of: dict[bytes, str] = {}
-    parent_of: dict[bytes, tuple[bytes, str]] = {}  # keyed by span id: a span stored twice counts once
+    parent_of: dict[bytes, tuple[bytes, str]] = {}
     with engine.connect() as conn, _streamed(conn, blocks) as rows:
         for (payload,) in rows:
             for s in _spans(payload):
                 if since_ns <= s.start_unix_nano <= until_ns:
-                    service_of[s.span_id] = s.service
+                    service_of[s.trace_id + s.span_id] = s.service
                     if s.parent_span_id is not None:
-                        parent_of[s.span_id] = (s.parent_span_id, s.service)
+                        parent_of[s.trace_id + s.span_id] = (s.trace_id + s.parent_span_id, s.service)
             if len(service_of) >= max_spans:
                 break
     calls: Counter[tuple[str, str]] = Counter()
