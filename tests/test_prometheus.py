@@ -130,8 +130,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("e2e")
     db_url = f"sqlite:///{tmp / 'collector.db'}"
     with CollectorThread(collector_config(db_url)) as collector:
+        # Loopback is the one interface every machine has: the network panel has something to show anywhere.
         agent = AgentProcess(collector.grpc_endpoint, tmp, interval=1.0,
-                             env={"SPIKEHOUND_AGENT_HOST_NAME": HOST}).start()
+                             env={"SPIKEHOUND_AGENT_HOST_NAME": HOST, "SPIKEHOUND_AGENT_INTERFACES": "lo"}).start()
         samples = sample_provider(agent.grpc_endpoint, HOST, {"hw.gpu.utilization": (
             "1", lambda: [(GPU_UTILIZATION, {"hw.id": "GPU-e2e-0", "gpu.index": 0})])})
         prometheus = PrometheusServer({"spikehound-collector": [collector.api.removeprefix("http://")],
