@@ -488,12 +488,7 @@ def run(args: argparse.Namespace) -> tuple[Results, list[str]]:
                       warmup_s=args.warmup, seconds=args.seconds, workload_requests=len(workload.bodies),
                       workload_bytes_per_span=round(workload.size_bytes / workload.spans, 1),
                       reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2))
-        try:
-            _load(args, res, workload, collector, processes, failures)
-        finally:
-            code = collector.stop()
-        if code not in (0, None) and not failures:
-            failures.append(f"collector exited with {code}:\n{collector.log_tail()}")
+        load_and_stop(args, res, workload, collector, processes, failures)
         rows = _count_span_rows(db_url)
         if rows is not None:
             res.span_rows = rows - rows_before
@@ -578,6 +573,17 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
         failures.append(f"{res.rejected_spans:,} generated spans were rejected as invalid")
     if not res.ingest_spans_per_s:
         failures.append("no span was acknowledged in the measured interval")
+
+
+def load_and_stop(args: argparse.Namespace, res: Results, workload: Workload, collector: Collector, processes: int,
+                  failures: list[str]) -> None:
+    """Load the started collector, then stop it; a collector that did not exit cleanly is a failure."""
+    try:
+        _load(args, res, workload, collector, processes, failures)
+    finally:
+        code = collector.stop()
+    if code not in (0, None) and not failures:
+        failures.append(f"collector exited with {code}:\n{collector.log_tail()}")
 
 
 def report(res: Results) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 
-from benchmarks.ingest import Collector, Results, Workload, _load, decode_rate, make_workload
+from benchmarks.ingest import Collector, Results, Workload, decode_rate, load_and_stop, make_workload
 
 ENV_SWITCH = "SPIKEHOUND_COLLECTOR_SPAN_METRICS"
 MAX_LOSS = 0.10  # the bar: span metrics may cost at most 10 % of ingest throughput
@@ -41,12 +41,7 @@ def _round(args: argparse.Namespace, workload: Workload, span_metrics: bool, pro
         res = Results(db="sqlite", senders=args.senders, processes=processes, batch=args.batch,
                       warmup_s=args.warmup, seconds=args.seconds, workload_requests=len(workload.bodies),
                       workload_bytes_per_span=0.0, reference_spans_per_s=0.0, other_cores_reference=0.0)
-        try:
-            _load(args, res, workload, collector, processes, failures)
-        finally:
-            code = collector.stop()
-        if code not in (0, None) and not failures:
-            failures.append(f"collector exited with {code}:\n{collector.log_tail()}")
+        load_and_stop(args, res, workload, collector, processes, failures)
     return res, failures
 
 

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-from sqlalchemy import Engine
-
 from spikehound.model import SpanKind
 from storage import trace_search
-from storage.engine import make_engine
-from storage.migrate import upgrade
 from storage.trace_search import TraceQuery
 from storage.writer import WriteBatch, Writer
+from tests import test_storage
 from tests.test_storage import MS, NOW, T0, make_span, tid
+
+engine = test_storage.engine  # the fixture: a migrated database of each kind
 
 S = 1_000_000_000
 HOUR = 3600 * S
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    upgrade(eng)
-    yield eng
-    eng.dispose()
 
 
 def test_search_reads_only_the_service_and_range_asked_and_the_newest_matches_come_first(engine):
