@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(BIN)/spikehound demo
 
 test: $(STAMP)
+	sh tests/install-prometheus.sh
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

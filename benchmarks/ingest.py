@@ -64,6 +64,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -424,12 +425,13 @@ def _cpu_seconds(pid: int) -> float:
 class Collector:
     """``spikehound collector`` as a child process on free loopback ports."""
 
-    def __init__(self, db_url: str, workdir: Path, detection: bool = True) -> None:
+    def __init__(self, db_url: str, workdir: Path, settings: dict[str, bool] | None = None) -> None:
         self.db_url = db_url
         self.log_path = workdir / "collector.log"
         self.api_port, self.grpc_port, self.http_port = _free_port(), _free_port(), _free_port()
-        self.env = {**os.environ, "SPIKEHOUND_DATA_DIR": str(workdir),
-                    "SPIKEHOUND_DETECTION_ENABLED": "true" if detection else "false"}
+        self.env = {**os.environ, "SPIKEHOUND_DATA_DIR": str(workdir)}
+        for key, value in (settings or {}).items():  # "detection.enabled" -> SPIKEHOUND_DETECTION_ENABLED
+            self.env["SPIKEHOUND_" + key.replace(".", "_").upper()] = "true" if value else "false"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -545,7 +547,7 @@ class Results:
     latency_ms_p99: float = 0.0
     target_spans_per_s: int = TARGET_SPANS_PER_SECOND
     passed: bool = False
-    detection: bool = True
+    settings: dict[str, bool] = field(default_factory=dict)  # switched configuration keys
     windows_closed: int = 0  # what the detectors did meanwhile: windows judged, spans too late to count
     late_spans: int = 0
 
@@ -555,8 +557,15 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(max(math.ceil(q * len(ordered)) - 1, 0), len(ordered) - 1)] if ordered else 0.0
 
 
-def run(args: argparse.Namespace, detection: bool = True) -> tuple[Results, list[str]]:
-    """The whole benchmark; returns the results and the reasons it failed (empty when it did not)."""
+# --compare SETTING -> the configuration key switched off and on.
+COMPARED_SETTINGS = {"detection": "detection.enabled", "span-metrics": "collector.span_metrics"}
+
+
+def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tuple[Results, list[str]]:
+    """The whole benchmark; returns the results and the reasons it failed (empty when it did not).
+
+    ``settings`` switches boolean configuration keys of the collector (``"detection.enabled": False``).
+    """
     failures: list[str] = []
     processes = max(1, min(args.processes or min(2, args.senders), args.senders))
     started = time.perf_counter()
@@ -571,19 +580,14 @@ def run(args: argparse.Namespace, detection: bool = True) -> tuple[Results, list
         workdir = Path(tmp)
         db_url = args.db or f"sqlite:///{workdir / 'bench.db'}"
         rows_before = (_count_span_rows(db_url) or 0) if args.db else 0
-        collector = Collector(db_url, workdir, detection)
+        collector = Collector(db_url, workdir, settings or {})
         collector.start()
         res = Results(db=db_url.split("://", 1)[0], senders=args.senders, processes=processes, batch=args.batch,
                       warmup_s=args.warmup, seconds=args.seconds, workload_requests=len(workload.bodies),
                       workload_bytes_per_span=round(workload.size_bytes / workload.spans, 1),
                       reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2),
-                      detection=detection)
-        try:
-            _load(args, res, workload, collector, processes, failures)
-        finally:
-            code = collector.stop()
-        if code not in (0, None) and not failures:
-            failures.append(f"collector exited with {code}:\n{collector.log_tail()}")
+                      settings=dict(settings or {}))
+        load_and_stop(args, res, workload, collector, processes, failures)
         rows = _count_span_rows(db_url)
         if rows is not None:
             res.span_rows = rows - rows_before
@@ -672,12 +676,29 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
         failures.append("no span was acknowledged in the measured interval")
 
 
+def load_and_stop(args: argparse.Namespace, res: Results, workload: Workload, collector: Collector, processes: int,
+                  failures: list[str]) -> None:
+    """Load the started collector, then stop it; a collector that did not exit cleanly is a failure."""
+    try:
+        _load(args, res, workload, collector, processes, failures)
+    finally:
+        code = collector.stop()
+    if code not in (0, None) and not failures:
+        failures.append(f"collector exited with {code}:\n{collector.log_tail()}")
+
+
+def _switched(settings: dict[str, bool]) -> str:
+    if not settings:
+        return "detectors and span metrics on"
+    return ", ".join(f"{key} = {'true' if value else 'FALSE'}" for key, value in settings.items())
+
+
 def report(res: Results) -> str:
     setup = f"{res.senders} concurrent senders in {res.processes} process(es), {res.batch}-span batches"
     db = "SQLite" if res.db == "sqlite" else "PostgreSQL"
     rows = f", {res.span_rows:,} spans in storage" if res.span_rows is not None else ""
     lines = [
-        f"ingest (OTLP/gRPC -> {db}, detectors {'on' if res.detection else 'OFF'}, {setup}): "
+        f"ingest (OTLP/gRPC -> {db}, {_switched(res.settings)}, {setup}): "
         f"{res.ingest_spans_per_s:,.0f} spans/s  "
         f"(collector used {res.collector_cores:.2f} cores, load generator {res.load_generator_cores:.2f})",
         f"reference: protobuf decode + validation only, 1 thread: {res.reference_spans_per_s:,.0f} spans/s",
@@ -714,21 +735,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reference-seconds", type=float, default=3.0, help="length of the decode-only run")
     p.add_argument("--startup", type=float, default=2.0, help="seconds allowed for the senders to connect")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
-    p.add_argument("--detection", choices=["on", "off", "both"], default="both",
-                   help="run with the detectors on, off, or both one after the other to measure their cost "
-                   "(default both)")
-    p.add_argument("--pairs", type=int, default=1, help="with --detection both: off/on pairs to alternate; the "
-                   "best run of each side is compared (a shared machine's noise hits both)")
+    p.add_argument("--compare", choices=[*COMPARED_SETTINGS, "none"], default="detection",
+                   help="measure what one part costs: run the collector with it off and on, alternating "
+                   "(default detection; span-metrics; none: one run with everything on)")
+    p.add_argument("--pairs", type=int, default=1, help="off/on pairs to alternate (default 1); each side's "
+                   "mean is compared, so a machine that gets busier during the run weighs on both alike")
     args = p.parse_args(argv)
     if min(args.seconds, args.senders, args.batch, args.requests) <= 0 or args.warmup < 0:
         p.error("--seconds, --senders, --batch and --requests must be positive, --warmup not negative")
-
-    modes = {"on": [True], "off": [False], "both": [False, True] * max(args.pairs, 1)}[args.detection]
+    key = COMPARED_SETTINGS.get(args.compare)
+    sides = [{}] if key is None else [{key: False}, {key: True}] * max(args.pairs, 1)
     results: list[Results] = []
     failures: list[str] = []
-    for detection in modes:
+    for settings in sides:
         try:
-            res, failed = run(args, detection)
+            res, failed = run(args, settings)
         except RuntimeError as exc:
             print(f"benchmark failed: {exc}", file=sys.stderr)
             return 1
@@ -736,21 +757,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(res), flush=True)
         results.append(res)
         failures += failed
-    offs, ons = [r for r in results if not r.detection], [r for r in results if r.detection]
-    if offs and ons and max(r.ingest_spans_per_s for r in offs):
-        off = max(offs, key=lambda r: r.ingest_spans_per_s)
-        on = max(ons, key=lambda r: r.ingest_spans_per_s)
-        loss = 1 - on.ingest_spans_per_s / off.ingest_spans_per_s
-        cpu = (on.collector_cpu_us_per_span / off.collector_cpu_us_per_span - 1) if off.collector_cpu_us_per_span \
-            else 0.0
-        print(f"\ndetectors' cost: {loss:.1%} throughput loss ({off.ingest_spans_per_s:,} -> "
-              f"{on.ingest_spans_per_s:,} spans/s, best of each), {cpu:+.1%} collector CPU per span; "
-              "target: under 20 % throughput loss")
+    if key is not None and not failures:
+        print()
+        print(compare_report(args.compare, results, key))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     for failure in failures:
         print(f"benchmark failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+# What each compared part may cost: the detectors 20 % of ingest throughput, the span metrics 10 %.
+MAX_LOSS = {"detection": 0.20, "span-metrics": 0.10}
+
+
+def compare_report(name: str, results: Sequence[Results], key: str) -> str:
+    """The cost of one part: mean throughput and collector CPU per span with it off and on."""
+    off = [r for r in results if not r.settings[key]]
+    on = [r for r in results if r.settings[key]]
+    rate_off, rate_on = statistics.fmean(r.ingest_spans_per_s for r in off), statistics.fmean(
+        r.ingest_spans_per_s for r in on)
+    cpu_off, cpu_on = statistics.fmean(r.collector_cpu_us_per_span for r in off), statistics.fmean(
+        r.collector_cpu_us_per_span for r in on)
+    rate_loss = 1 - rate_on / rate_off if rate_off else 0.0
+    cpu_share = 1 - cpu_off / cpu_on if cpu_on else 0.0
+    busy = max(r.other_cores for r in results)
+    bar = MAX_LOSS[name]
+    return (f"{name} off: {rate_off:,.0f} spans/s, {cpu_off:.1f} us collector CPU per span "
+            f"(runs: {', '.join(f'{r.ingest_spans_per_s:,}' for r in off)})\n"
+            f"{name} on:  {rate_on:,.0f} spans/s, {cpu_on:.1f} us collector CPU per span "
+            f"(runs: {', '.join(f'{r.ingest_spans_per_s:,}' for r in on)})\n"
+            f"cost of {name}: {rate_loss:+.1%} throughput, {cpu_share:+.1%} of the collector's CPU per span "
+            f"(bar: under {bar:.0%}: {'PASS' if max(rate_loss, cpu_share) < bar else 'OVER'})"
+            + (f"  -- other processes kept up to {busy:.2f} cores busy: noisy figures" if busy >= 0.2 else ""))
 
 
 if __name__ == "__main__":

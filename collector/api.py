@@ -156,7 +156,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[TELEMETRY].registry)
+    # Off the event loop: span metrics can be tens of thousands of samples, and the spike metrics query storage.
+    body = await _run(request, generate_latest, request.app[TELEMETRY].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

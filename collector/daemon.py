@@ -16,8 +16,10 @@ import grpc
 from aiohttp import web
 
 from collector.api import make_api
+from collector.exported_metrics import install_exported_metrics
 from collector.ingest import Ingest
 from collector.ingest_queue import IngestQueue
+from collector.jaeger_api import add_jaeger_api
 from collector.otlp_grpc import start_grpc
 from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
@@ -68,6 +70,7 @@ class Collector:
         self.telemetry.queue_capacity.set(c.queue_capacity)
         self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
         await self._pipeline.restore()
+        install_exported_metrics(cfg, self._pipeline, self.telemetry, Reader(engine))
         self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
         self._pipeline_task.add_done_callback(self._watch)
         ingest = Ingest(queue, self.telemetry, c.retry_after_seconds)
@@ -76,6 +79,7 @@ class Collector:
                         "reaches them can send data")
         try:
             api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token)
+            add_jaeger_api(api)
             runner, self.api_port = await start_http(api, c.api, "API")
             self._runners.append(runner)
             self._grpc, self.grpc_port = await start_grpc(ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes)

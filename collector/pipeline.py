@@ -63,6 +63,7 @@ class IngestPipeline:
         self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
         self._failures = 0
         self._stopping = False
+        self.commit_hooks: list[Callable[[WriteBatch], None]] = []  # told of every committed batch, on the writer
         telemetry.add_counter_source(self._counters)
         telemetry.add_gauge_source(self._gauges)
 
@@ -76,7 +77,6 @@ class IngestPipeline:
                                                          st["overflow_spans"]),
             "spikehound_detector_evicted_streams": ("Quiet streams whose learned baseline was dropped to stay "
                                                     "within collector.max_streams.", st["evicted_streams"]),
-            "spikehound_spikes_opened": ("Spikes opened by the detectors.", st["spikes_opened"]),
             "spikehound_trace_buffer_evicted_traces": ("Traces dropped from the attribution buffer to stay "
                                                        "within detection.trace_buffer_spans.",
                                                        st["trace_buffer_evicted_traces"]),
@@ -93,7 +93,8 @@ class IngestPipeline:
         return {
             "spikehound_latency_streams": ("Latency streams with open windows.", st["streams"]),
             "spikehound_detector_streams": ("Latency streams with a learned baseline.", st["judged_streams"]),
-            "spikehound_spikes_open": ("Spikes open now.", st["open_spikes"]),
+            "spikehound_detector_open_spikes": ("Spikes the detectors hold open now (restored from the "
+                                                "checkpoint after a restart).", st["open_spikes"]),
             "spikehound_trace_buffer_spans": ("Spans held for attribution.", st["trace_buffer_spans"]),
             "spikehound_resource_series": ("Resource series watched by the resource detectors.",
                                            st["resource_series"]),
@@ -168,6 +169,8 @@ class IngestPipeline:
     def _write_and_detect(self, batch: WriteBatch) -> Detection:
         """On the writer thread: commit, then feed what was committed to the detectors (keeps the loop free)."""
         self.writer.write(batch)
+        for hook in self.commit_hooks:  # must not raise: the batch is already committed
+            hook(batch)
         if not batch.spans and not batch.points:
             return Detection()
         self.engine.add(batch.spans, batch.points)

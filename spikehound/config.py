@@ -120,6 +120,10 @@ class CollectorConfig:
     max_streams: int = 10_000
     # URL that links in alerts and CLI output point at.
     public_url: str = ""
+    # Span metrics on /metrics: the OpenTelemetry spanmetrics connector's series and model_inference_latency_seconds.
+    span_metrics: bool = True
+    # Most series per span-metrics histogram; spans of further series go to one overflow series, counted.
+    span_metrics_max_series: int = 5_000
 
 
 @dataclass(slots=True)
@@ -334,6 +338,7 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
     positive = {"collector.queue_capacity": c.queue_capacity, "collector.batch_max_items": c.batch_max_items,
                 "collector.max_request_bytes": c.max_request_bytes, "collector.window_seconds": c.window_seconds,
                 "collector.max_streams": c.max_streams,
+                "collector.span_metrics_max_series": c.span_metrics_max_series,
                 "storage.span_retention_hours": cfg.storage.span_retention_hours,
                 "storage.metric_retention_hours": cfg.storage.metric_retention_hours,
                 "agent.interval": cfg.agent.interval, "agent.memory_queue_bytes": cfg.agent.memory_queue_bytes,

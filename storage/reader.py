@@ -149,6 +149,18 @@ class Reader:
             return {bytes.fromhex(t) for (ids,) in conn.execute(select(schema.spikes.c.exemplar_trace_ids))
                     for t in orjson.loads(ids)}
 
+    def spikes_by_top_cause_kind(self) -> dict[str, int]:
+        """How many spikes are stored per kind of their top-ranked cause; ``none`` for spikes without causes.
+
+        One pass over ``spikes`` (a small table) joined to ``causes`` through its primary key.
+        """
+        k, c = schema.spikes, schema.causes
+        kind = func.coalesce(c.c.kind, "none")
+        query = (select(kind, func.count()).select_from(k.outerjoin(c, and_(c.c.spike_id == k.c.id, c.c.rank == 0)))
+                 .group_by(kind))
+        with self.engine.connect() as conn:
+            return {str(name): int(n) for name, n in conn.execute(query)}
+
     @staticmethod
     def _with_causes(conn: Any, rows: Sequence[Any]) -> list[Spike]:
         if not rows:

@@ -47,6 +47,7 @@ def _expire_blocks(engine: Engine, cutoff_s: int, max_batches: int) -> int:
                 break
             ids = [v.id for v in victims]
             conn.execute(delete(t).where(t.c.block_id.in_(ids)))
+            conn.execute(delete(schema.span_block_services).where(schema.span_block_services.c.block_id.in_(ids)))
             conn.execute(delete(b).where(b.c.id.in_(ids)))
         spans += sum(v.span_count for v in victims)
         if len(victims) < DELETE_BLOCKS:

@@ -39,6 +39,7 @@ span_blocks = Table(
     Column("end_ns", BigInteger, nullable=False),  # latest span end in the block
     Column("payload", LargeBinary, nullable=False),  # ExportTraceServiceRequest
     Index("ix_span_blocks_ingested_at", "ingested_at"),
+    Index("ix_span_blocks_end_ns", "end_ns"),  # blocks by event time: the service dependency graph
 )
 
 trace_blocks = Table(
@@ -47,6 +48,19 @@ trace_blocks = Table(
     Column("block_id", BigInteger, nullable=False),
     PrimaryKeyConstraint("trace_id", "block_id", name="pk_trace_blocks"),
     Index("ix_trace_blocks_block", "block_id"),  # retention deletes by block
+)
+
+# Trace search (the Jaeger query API): one row per (block, service), so a search by service, time and
+# duration reads only blocks that can hold a match. A few rows per block, next to one per (trace, block).
+span_block_services = Table(
+    "span_block_services", metadata,
+    Column("block_id", BigInteger, nullable=False),
+    Column("service", String(255), nullable=False),
+    Column("min_start_ns", BigInteger, nullable=False),  # earliest start of this service's spans in the block
+    Column("max_start_ns", BigInteger, nullable=False),  # latest start
+    Column("max_duration_ns", BigInteger, nullable=False),  # its longest span: minDuration skips the block
+    PrimaryKeyConstraint("block_id", "service", name="pk_span_block_services"),
+    Index("ix_span_block_services_search", "service", "max_start_ns"),
 )
 
 operations = Table(

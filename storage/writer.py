@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import sub
 from typing import Any
 
 import orjson
@@ -150,14 +151,17 @@ class Writer:
             conn.execute(self._operations, _fit_rows(schema.operations, new_operations))
         blocks = batch.blocks or [SpanBlock(encode_spans(batch.spans).SerializeToString(), batch.spans)]
         index_rows: list[tuple[bytes, int]] = []
+        service_rows: list[dict[str, Any]] = []
         for block in blocks:
+            stats = _BlockStats.of(block.spans)
             block_id = conn.execute(self._block, {
-                "ingested_at": now_s, "span_count": len(block.spans),
-                "start_ns": min(s.start_unix_nano for s in block.spans),
-                "end_ns": max(s.end_unix_nano for s in block.spans), "payload": block.payload,
+                "ingested_at": now_s, "span_count": len(block.spans), "start_ns": stats.start_ns,
+                "end_ns": stats.end_ns, "payload": block.payload,
             }).scalar_one()
             index_rows.extend((trace_id, block_id) for trace_id in {s.trace_id for s in block.spans})
+            service_rows += stats.service_rows(block_id)
         conn.exec_driver_sql(self._trace_block_sql, index_rows)
+        conn.execute(schema.span_block_services.insert(), _fit_rows(schema.span_block_services, service_rows))
 
     def _write_points(self, conn: Any, points: Sequence[MetricPoint], now_s: int, pending: _Caches) -> None:
         rows = []
@@ -206,3 +210,31 @@ def _window_row(w: LatencyWindow) -> dict[str, Any]:
     return {"service": w.service, "operation": w.operation, "start_ns": w.start_unix_nano,
             "end_ns": w.end_unix_nano, "count": w.count, "p50_ns": w.p50_ns, "p95_ns": w.p95_ns,
             "p99_ns": w.p99_ns, "max_ns": w.max_ns}
+
+
+
+@dataclass(slots=True, frozen=True)
+class _BlockStats:
+    """A block's time range, and what trace search needs of it: its services, latest start, longest span.
+
+    A few tight passes (comprehensions on slots, ``min``/``max``/``map`` in C): this runs for every span on the
+    ingest hot path.
+    """
+
+    start_ns: int
+    end_ns: int
+    max_start_ns: int
+    max_duration_ns: int
+    services: frozenset[str]
+
+    @classmethod
+    def of(cls, spans: Sequence[Span]) -> _BlockStats:
+        starts, ends = [s.start_unix_nano for s in spans], [s.end_unix_nano for s in spans]
+        return cls(min(starts), max(ends), max(starts), max(map(sub, ends, starts)),
+                   frozenset({s.service for s in spans}))
+
+    def service_rows(self, block_id: int) -> list[dict[str, Any]]:
+        """One ``span_block_services`` row per service, with the block's range (a search decodes and filters)."""
+        return [{"block_id": block_id, "service": service, "min_start_ns": self.start_ns,
+                 "max_start_ns": self.max_start_ns, "max_duration_ns": self.max_duration_ns}
+                for service in sorted(self.services)]

@@ -126,7 +126,7 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
         collector.start()
         assert "detectors restored from the checkpoint" in collector.log_text()
         # Before any new data: the open spikes and the learned streams are back.
-        assert _metric(collector.api, "spikehound_spikes_open") == len([s for s in before.values()
+        assert _metric(collector.api, "spikehound_detector_open_spikes") == len([s for s in before.values()
                                                                          if s["state"] == "open"])
         assert _metric(collector.api, "spikehound_detector_streams") >= 3
         send(collector.http_endpoint, bodies[cut:])

@@ -29,12 +29,13 @@ from spikehound.model import (
 )
 from spikehound.otlp import count_items, decode_spans, encode_span, encode_spans, set_any_value
 from storage import reader as reader_module
-from storage import retention
+from storage import retention, trace_search
 from storage.engine import make_engine
 from storage.migrate import current_revision, head_revision, upgrade
 from storage.reader import HostSummary, MetricSeries, Reader, count_rows
 from storage.retention import RetentionResult, expire
 from storage.schema import metadata, span_blocks
+from storage.trace_search import TraceQuery
 from storage.writer import SpanBlock, WriteBatch, Writer
 
 MS = 1_000_000
@@ -104,7 +105,7 @@ def test_upgrade_reaches_head_is_idempotent_and_matches_the_schema(db_url):
     eng = make_engine(db_url)
     try:
         assert current_revision(eng) is None
-        assert head_revision() == "0002"
+        assert head_revision() == "0003"
         assert upgrade(eng) == head_revision()
         Writer(eng).write(WriteBatch(spans=[make_span(1, 1)]), now_ns=NOW)
 
@@ -567,6 +568,7 @@ def test_retention_removes_what_arrived_before_the_cutoff_and_keeps_spike_exempl
     assert len(reader.trace(tid(3))) == 1  # arrival time decides, not event time
     assert count_rows(engine, "span_blocks") == 3
     assert count_rows(engine, "trace_blocks") == 4  # (2, 4) -> first block, 2 -> second, 3 -> third
+    assert count_rows(engine, "span_block_services") == 3  # the trace-search rows go with their blocks
     series, _ = reader.metrics("gpu-1", None, 0, FOREVER)
     assert [t for t, _ in series[0].points] == [T0 + i * S for i in range(5, 8)]
     assert reader.latency("gateway", None, 0, FOREVER) == [window(T0, 30)]  # aggregates are kept
@@ -618,7 +620,8 @@ def test_retention_deletes_in_batches_and_bounds_its_work(engine, monkeypatch):
 # --- every API query is served by an index (SQLite's plans) -----------------------------------
 
 # Tables that grow with traffic or time. A full scan of one of them is a bug.
-BIG_TABLES = ("span_blocks", "trace_blocks", "metric_points", "latency_windows", "spikes", "causes")
+BIG_TABLES = ("span_blocks", "trace_blocks", "span_block_services", "metric_points", "latency_windows", "spikes",
+              "causes")
 # operations, metric_series and hosts grow with cardinality (services x operations, hosts x metrics), not with
 # traffic, and the API lists them whole (/services, /hosts): reading them in index order is what it should do.
 
@@ -669,6 +672,17 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
     "one spike": (lambda r: r.spike("a1"), ["SEARCH spikes", "(id=?)", "SEARCH causes"]),
     "services": (lambda r: r.services(), ["operations USING COVERING INDEX"]),
     "hosts": (lambda r: r.hosts(), ["metric_series USING COVERING INDEX", "hosts USING INDEX"]),
+    "spikes by top cause kind (/metrics)": (lambda r: r.spikes_by_top_cause_kind(),
+                                            ["spikes USING COVERING INDEX", "SEARCH causes"]),
+    # The Jaeger query API: trace search, traces by id, the dependency graph.
+    "trace search by service and time": (
+        lambda r: trace_search.find_trace_ids(r.engine, TraceQuery("gateway", T0, T0 + 3600 * S, limit=5)),
+        ["SEARCH span_block_services USING INDEX ix_span_block_services_search (service=? AND max_start_ns>?)",
+         "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
+    "traces by id": (lambda r: trace_search.traces(r.engine, [tid(1), tid(2)]),
+                     ["SEARCH trace_blocks", "(trace_id=?)", "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
+    "dependencies": (lambda r: [trace_search.dependencies(r.engine, T0, T0 + 3600 * S)],  # [] is an answer too
+                     ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>?)"]),
 }
 FULL_SCAN = re.compile(rf"\bSCAN ({'|'.join(BIG_TABLES)})\b(?! USING (COVERING )?INDEX)")
 

@@ -1,0 +1,35 @@
+"""Wires the metrics that dashboards and alert rules read (span, resource and spike metrics) into a collector.
+
+They are read by Prometheus from the collector's ``/metrics`` beside its own counters; see
+``collector/span_metrics.py``, ``collector/resource_metrics.py`` and ``collector/spike_metrics.py``.
+"""
+
+from __future__ import annotations
+
+from collector.pipeline import IngestPipeline
+from collector.resource_metrics import ResourceMetrics
+from collector.span_metrics import SpanMetrics
+from collector.spike_metrics import SpikeMetrics
+from collector.telemetry import CollectorTelemetry
+from spikehound.config import Config
+from storage.reader import Reader
+
+RESOURCE_MAX_SERIES = 50_000  # hosts x (GPUs + interfaces x directions x 3 + 1): a large fleet fits
+
+
+def install_exported_metrics(cfg: Config, pipeline: IngestPipeline, telemetry: CollectorTelemetry,
+                             reader: Reader) -> SpanMetrics | None:
+    """Register the exported metrics on ``telemetry``'s registry and feed them from ``pipeline``'s commits.
+
+    Returns the span metrics, or None when ``collector.span_metrics`` is off.
+    """
+    spans = None
+    if cfg.collector.span_metrics:
+        spans = SpanMetrics(cfg.collector.span_metrics_max_series)
+        pipeline.commit_hooks.append(spans.add)
+        telemetry.registry.register(spans)
+    resources = ResourceMetrics(RESOURCE_MAX_SERIES)
+    pipeline.commit_hooks.append(resources.add)
+    telemetry.registry.register(resources)
+    telemetry.registry.register(SpikeMetrics(reader))
+    return spans

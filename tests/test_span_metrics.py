@@ -1,0 +1,193 @@
+"""The metrics dashboards and alert rules read, on a real collector's /metrics, fed by the real OTel SDK.
+
+Span metrics must look exactly like the OpenTelemetry Collector spanmetrics connector's (so that Jaeger's
+Monitor tab and existing dashboards work unchanged); resource samples appear under the seed article's names;
+spike state is read from storage.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+from opentelemetry import trace
+from prometheus_client.parser import text_string_to_metric_families
+
+from collector.span_metrics import SpanMetrics
+from spikehound.model import Cause, CauseKind, Spike
+from storage.engine import make_engine
+from storage.writer import WriteBatch, Writer
+from tests.daemons import CollectorThread, collector_config
+from tests.otel_send import MS, sample_provider, send_durations, timed_span, tracer_provider
+
+CONNECTOR_LES = ["2", "4", "6", "8", "10", "50", "100", "200", "400", "800", "1000", "1400", "2000", "5000",
+                 "10000", "15000", "+Inf"]
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(api: str) -> tuple[str, Samples]:
+    text = requests.get(f"{api}/metrics", timeout=10).text
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return text, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def wait_metric(api: str, name: str, expected: float, timeout: float = 20, **labels: str) -> Samples:
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        _, samples = scrape(api)
+        seen = value(samples, name, **labels)
+        if seen == expected:
+            return samples
+        time.sleep(0.1)
+    raise AssertionError(f"{name}{labels} is {seen}, expected {expected}")
+
+
+def test_spans_become_the_spanmetrics_connector_series(sqlite_collector):
+    api, endpoint = sqlite_collector.api, sqlite_collector.grpc_endpoint
+    t0 = time.time_ns() - 60 * 1_000_000_000
+    durations_ms = [1, 3, 7, 50, 120, 900, 20_000]  # 50 ms lands in le="50": bucket bounds are inclusive
+    provider = tracer_provider(endpoint, "llm-gateway", host="gpu-host-3")
+    tracer = provider.get_tracer("test")
+    for i, ms in enumerate(durations_ms):
+        root = timed_span(tracer, "POST /v1/chat", t0 + i * 30_000 * MS, ms * MS, kind=trace.SpanKind.SERVER)
+        if i < 2:  # a failing feature lookup inside two of the requests: a CLIENT span, not an entry span
+            timed_span(tracer, "GET /features", t0 + i * 30_000 * MS, (5 + 7 * i) * MS,
+                       kind=trace.SpanKind.CLIENT, parent=root, error=True)
+        if i == 2:
+            timed_span(tracer, "tokenize", t0 + i * 30_000 * MS, 2 * MS, kind=trace.SpanKind.INTERNAL,
+                       parent=root, ok=True)
+    provider.shutdown()
+
+    server = {"service_name": "llm-gateway", "span_name": "POST /v1/chat", "span_kind": "SPAN_KIND_SERVER",
+              "status_code": "STATUS_CODE_UNSET"}
+    samples = wait_metric(api, "traces_span_metrics_calls_total", 7, **server)
+    text, samples = scrape(api)
+    assert "# TYPE traces_span_metrics_calls_total counter" in text
+    assert "# TYPE traces_span_metrics_duration_milliseconds histogram" in text
+
+    buckets = {dict(labels)["le"]: v for (name, labels), v in samples.items()
+               if name == "traces_span_metrics_duration_milliseconds_bucket"
+               and set(server.items()) <= set(labels)}
+    assert list(buckets) == CONNECTOR_LES  # the connector's default bounds, written as Go writes them
+    assert [buckets[le] for le in ("2", "4", "8", "50", "100", "200", "1000", "15000", "+Inf")] == \
+        [1, 2, 3, 4, 4, 5, 6, 6, 7]
+    assert value(samples, "traces_span_metrics_duration_milliseconds_count", **server) == 7
+    assert value(samples, "traces_span_metrics_duration_milliseconds_sum", **server) == pytest.approx(
+        sum(durations_ms))
+
+    client = {"service_name": "llm-gateway", "span_name": "GET /features", "span_kind": "SPAN_KIND_CLIENT",
+              "status_code": "STATUS_CODE_ERROR"}
+    assert value(samples, "traces_span_metrics_calls_total", **client) == 2
+    assert value(samples, "traces_span_metrics_duration_milliseconds_sum", **client) == pytest.approx(5 + 12)
+    internal = {"service_name": "llm-gateway", "span_name": "tokenize", "span_kind": "SPAN_KIND_INTERNAL",
+                "status_code": "STATUS_CODE_OK"}
+    assert value(samples, "traces_span_metrics_calls_total", **internal) == 1
+
+    # The seed's histogram: entry spans only, in seconds, per service, operation and host.
+    entry = {"service": "llm-gateway", "operation": "POST /v1/chat", "host": "gpu-host-3"}
+    assert value(samples, "model_inference_latency_seconds_count", **entry) == 7
+    assert value(samples, "model_inference_latency_seconds_sum", **entry) == pytest.approx(sum(durations_ms) / 1e3)
+    assert value(samples, "model_inference_latency_seconds_bucket", le="0.1", **entry) == 4
+    assert not [k for k in samples if k[0].startswith("model_inference") and ("operation", "GET /features") in k[1]]
+
+
+def test_series_beyond_the_limit_are_aggregated_into_the_overflow_series_and_counted(tmp_path):
+    cfg = collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}", collector__span_metrics_max_series=3)
+    with CollectorThread(cfg) as collector:
+        start = time.time_ns() - 10 * 1_000_000_000
+        provider = tracer_provider(collector.grpc_endpoint, "router")
+        tracer = provider.get_tracer("test")
+        for i in range(10):  # ten span names (think: an id in the name), two spans each
+            for j in range(2):
+                timed_span(tracer, f"GET /users/{i}", start + (2 * i + j) * MS, 3 * MS)
+        provider.shutdown()
+        samples = wait_metric(collector.api, "spikehound_span_metrics_overflow_spans_total", 14, set="spanmetrics")
+
+    named = [v for (name, labels), v in samples.items()
+             if name == "traces_span_metrics_calls_total" and ("service_name", "router") in labels]
+    assert sorted(named) == [2, 2, 2]
+    assert value(samples, "traces_span_metrics_calls_total", otel_metric_overflow="true") == 14
+    assert value(samples, "traces_span_metrics_duration_milliseconds_bucket", otel_metric_overflow="true",
+                 le="4") == 14
+    assert value(samples, "spikehound_span_metrics_overflow_spans_total", set="model_inference") == 14
+    assert value(samples, "model_inference_latency_seconds_count", otel_metric_overflow="true") == 14
+
+
+def test_span_metrics_can_be_switched_off(tmp_path):
+    cfg = collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}", collector__span_metrics=False)
+    with CollectorThread(cfg) as collector:
+        send_durations(collector.grpc_endpoint, "quiet", "GET /", [MS] * 5, time.time_ns() - 1_000_000_000)
+        samples = wait_metric(collector.api, "spikehound_ingest_stored_total", 5, signal="spans")
+    assert not [k for k in samples if k[0].startswith(("traces_span_metrics", "model_inference"))]
+
+
+def test_resource_samples_appear_under_the_seed_names(sqlite_collector):
+    io = {"n": 0}
+
+    def network() -> list[tuple[float, dict]]:
+        io["n"] += 1
+        return [(1000.0 * io["n"], {"network.interface.name": "eth0", "network.io.direction": "transmit"}),
+                (5000.0, {"network.interface.name": "eth0", "network.io.direction": "receive"})]
+
+    provider = sample_provider(sqlite_collector.grpc_endpoint, "gpu-host-9", {
+        "hw.gpu.utilization": ("1", lambda: [(0.12, {"hw.id": "GPU-aaaa", "gpu.index": 0}),
+                                             (0.93, {"hw.id": "GPU-bbbb", "gpu.index": 1}),
+                                             (0.5, {"hw.id": "GPU-aaaa", "gpu.index": 0, "hw.gpu.task": "decoder"})]),
+        "system.cpu.load_average.1m": ("{thread}", lambda: [(3.5, {})]),
+    }, counters={"system.network.io": ("By", network)})
+    try:
+        samples = wait_metric(sqlite_collector.api, "cpu_load_average", 3.5, host="gpu-host-9")
+        samples = wait_metric(sqlite_collector.api, "network_io_bytes_total", 5000, host="gpu-host-9",
+                              interface="eth0", direction="receive")
+    finally:
+        provider.shutdown()
+    assert value(samples, "gpu_utilization_percentage", host="gpu-host-9", gpu="0", gpu_uuid="GPU-aaaa") == \
+        pytest.approx(12.0)
+    assert value(samples, "gpu_utilization_percentage", host="gpu-host-9", gpu="1", gpu_uuid="GPU-bbbb") == \
+        pytest.approx(93.0)
+    assert len([k for k in samples if k[0] == "gpu_utilization_percentage"]) == 2  # the decoder engine is not it
+    assert value(samples, "network_io_bytes_total", host="gpu-host-9", interface="eth0", direction="transmit") >= 1000
+
+
+def _spike(spike_id: str, service: str, state: str, causes: tuple[Cause, ...]) -> Spike:
+    start = time.time_ns() - 60 * 1_000_000_000
+    return Spike(id=spike_id, service=service, operation="POST /v1/chat", state=state, start_unix_nano=start,
+                 end_unix_nano=None if state == "open" else start + 30 * 1_000_000_000, p99_ns=900 * MS,
+                 baseline_p99_ns=120 * MS, causes=causes)
+
+
+def test_spike_state_is_read_from_storage(collector, db_url):
+    gpu = Cause(kind=CauseKind.RESOURCE, score=0.8, summary="GPU utilization fell", host="gpu-1",
+                resource="hw.gpu.utilization")
+    net = Cause(kind=CauseKind.NETWORK, score=0.6, summary="gateway -> model-server hop slowed",
+                service="model-server", peer_service="gateway")
+    engine = make_engine(db_url)
+    try:
+        Writer(engine).write(WriteBatch(spikes=[_spike("s1", "llm", "open", (gpu, net)),
+                                                _spike("s2", "llm", "resolved", (net,)),
+                                                _spike("s3", "rerank", "open", ())]))
+    finally:
+        engine.dispose()
+    _, samples = scrape(collector.api)
+    assert value(samples, "spikehound_open_spikes", service="llm") == 1
+    assert value(samples, "spikehound_open_spikes", service="rerank") == 1
+    assert value(samples, "spikehound_spikes_opened_total", cause_kind="resource") == 1
+    assert value(samples, "spikehound_spikes_opened_total", cause_kind="network") == 1
+    assert value(samples, "spikehound_spikes_opened_total", cause_kind="none") == 1
+    assert value(samples, "spikehound_spike_metrics_errors_total") == 0
+
+
+def test_a_batch_the_span_metrics_cannot_read_is_counted_not_raised(caplog):
+    metrics = SpanMetrics(max_series=10)
+    metrics.add(SimpleNamespace(spans=[object()]))  # the commit hook must never fail a committed batch
+    assert metrics.errors == 1
+    assert "span metrics could not take a batch" in caplog.text
+
