@@ -223,7 +223,10 @@ class ResourceWatch:
         """Judge every window that ends at or before ``watermark_ns``; return the new flags."""
         if watermark_ns <= self._closed_until:
             return []
+        crossed = watermark_ns // self.window_ns != self._closed_until // self.window_ns
         self._closed_until = watermark_ns
+        if not crossed:  # windows end on multiples of window_ns: none can have closed since the last call
+            return []
         flags: list[ResourceFlag] = []
         for series in self._series.values():
             for start in sorted(s for s in series.open if s + self.window_ns <= watermark_ns):

@@ -114,6 +114,7 @@ class LatencyWindows:
         # Stored so that an idle advance is never undone by the next add():
         # a window once emitted must stay closed.
         self._watermark: int | None = None
+        self._forgot_at = -(2**62)  # the watermark at the last sweep for quiet streams
 
     # -- input -------------------------------------------------------------
 
@@ -170,7 +171,10 @@ class LatencyWindows:
         watermark = self._watermark
         closing = sorted(s for s in self._open if s + self.window_ns <= watermark)
         out = self._emit(closing)
-        self._forget_quiet_streams(watermark)
+        # Streams go quiet a window at a time: look at every stream only when the watermark enters a new window.
+        if watermark // self.window_ns != self._forgot_at // self.window_ns:
+            self._forgot_at = watermark
+            self._forget_quiet_streams(watermark)
         return out
 
     def flush(self) -> list[LatencyWindow]:

@@ -239,3 +239,15 @@ def test_nothing_seen_closes_to_nothing():
     assert lw.close(idle_advance_ns=60 * S) == []
     assert lw.flush() == []
     assert lw.watermark is None
+
+
+def test_streams_that_only_overflowed_get_in_once_the_old_ones_go_quiet():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S, max_streams=2)
+    lw.add([make_span(1 * S, 1 * MS, name="a"), make_span(1 * S, 1 * MS, name="b")])
+    lw.close()
+    # From now on only "c" has traffic: it has no window of its own, yet it must get in.
+    for second in range(20, 80, 2):
+        lw.add([make_span(second * S, 1 * MS, name="c")])
+        lw.close()
+    assert lw.streams == 1 and lw.overflow_spans < 10
+    assert [w.operation for w in lw.flush()][-1] == "c"
