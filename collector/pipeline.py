@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from collector.ingest_queue import IngestQueue, Submission
+from collector.retention import RetentionRunner
 from collector.telemetry import CollectorTelemetry
 from detectors.windows import LatencyWindows
 from spikehound.config import Config
 from spikehound.model import LatencyWindow
-from storage.retention import expire
+from storage.retention import Retention
 from storage.writer import SpanBlock, WriteBatch, Writer
 
 log = logging.getLogger("spikehound.collector.pipeline")
@@ -53,6 +54,7 @@ class IngestPipeline:
         self._closed_windows: list[LatencyWindow] = []
         self._last_input = time.monotonic()
         self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
+        self.retention = RetentionRunner(Retention(writer.engine), telemetry)
         self._failures = 0
         self._stopping = False
         telemetry.add_counter_source(lambda: {
@@ -163,18 +165,7 @@ class IngestPipeline:
             await self.run_retention()
 
     async def run_retention(self) -> None:
-        s = self.cfg.storage
-        now = time.time()
-        try:
-            result = await self._on_writer(expire, self.writer.engine, int(now - s.span_retention_hours * 3600),
-                                           int(now - s.metric_retention_hours * 3600))
-        except Exception as exc:
-            log.error("retention failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
-            return
-        self.telemetry.retention_deleted.labels("spans").inc(result.spans)
-        self.telemetry.retention_deleted.labels("metric_points").inc(result.points)
-        if result.spans or result.points:
-            log.info("retention deleted %d spans and %d metric points", result.spans, result.points)
+        await self.retention.run(self.cfg.storage, self._on_writer)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

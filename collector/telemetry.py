@@ -56,8 +56,15 @@ class CollectorTelemetry:
                                     registry=r)
         self.windows_closed = Counter("spikehound_latency_windows_closed",
                                       "Event-time latency windows closed and stored.", registry=r)
-        self.retention_deleted = Counter("spikehound_retention_deleted", "Rows deleted by retention.",
-                                         ["table"], registry=r)
+        self.retention_deleted = Counter("spikehound_retention_deleted",
+                                         "Spans or metric points deleted by retention, past their age or over "
+                                         "the size caps.", ["table", "reason"], registry=r)
+        self.stored_span_bytes = Gauge("spikehound_storage_span_payload_bytes",
+                                       "Payload bytes of the stored spans, as retention last measured "
+                                       "(storage.span_retention_max_bytes caps it).", registry=r)
+        self.stored_metric_points = Gauge("spikehound_storage_metric_points",
+                                          "Stored metric points, as retention last measured "
+                                          "(storage.metric_retention_max_points caps it).", registry=r)
 
     def add_counter_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
         self.registry.register(_CounterFunc(read))
