@@ -29,9 +29,9 @@ from sqlalchemy import (
     Connection,
     Engine,
     Row,
+    ScalarSelect,
     Table,
     and_,
-    case,
     delete,
     func,
     literal_column,
@@ -77,11 +77,11 @@ class StoredSize:
 
 
 class _Ledger:
-    """The summed ``amount`` of one table's rows; ``settled`` covers rows that arrived before ``boundary``."""
+    """An aggregate over one table's rows; ``settled`` covers rows that arrived before ``boundary``."""
 
-    def __init__(self, table: Table, amount: ColumnElement[int]) -> None:
+    def __init__(self, table: Table, aggregate: ColumnElement[int]) -> None:
         self.table = table
-        self.amount = amount
+        self.aggregate = aggregate  # what the ledger adds up: count(*), sum(length(payload))
         self.boundary: int | None = None  # unix seconds; None until the first measure
         self.settled = 0
         self.fresh = 0
@@ -96,12 +96,13 @@ class _Ledger:
         since = self.boundary
         if since is None or new_boundary < since:  # first look, or the clock went back: count everything
             since, self.settled = None, 0
-        older = func.coalesce(func.sum(case((arrived < new_boundary, self.amount), else_=0)), 0)
-        newer = func.coalesce(func.sum(case((arrived >= new_boundary, self.amount), else_=0)), 0)
-        query = select(older, newer).select_from(self.table)  # one statement: one consistent snapshot
-        if since is not None:
-            query = query.where(arrived >= since)
-        settled, fresh = conn.execute(query).one()
+
+        def total(condition: ColumnElement[bool]) -> ScalarSelect[int]:
+            return select(func.coalesce(self.aggregate, 0)).select_from(self.table).where(condition).scalar_subquery()
+
+        older = arrived < new_boundary if since is None else and_(arrived >= since, arrived < new_boundary)
+        # One statement, so both parts come from one snapshot; each is a range of the ingested_at index.
+        settled, fresh = conn.execute(select(total(older), total(arrived >= new_boundary))).one()
         self.settled += int(settled)
         self.fresh = int(fresh)
         self.boundary = new_boundary
@@ -121,8 +122,8 @@ class Retention:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._blocks = _Ledger(schema.span_blocks, func.length(schema.span_blocks.c.payload))
-        self._points = _Ledger(schema.metric_points, literal_column("1"))
+        self._blocks = _Ledger(schema.span_blocks, func.sum(func.length(schema.span_blocks.c.payload)))
+        self._points = _Ledger(schema.metric_points, func.count())
         self._row = literal_column("rowid" if engine.dialect.name == "sqlite" else "ctid")
 
     def measure(self, now_s: float) -> StoredSize:
