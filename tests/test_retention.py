@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, func, select
 
 from storage import retention
-from storage.engine import make_engine
-from storage.migrate import upgrade
 from storage.reader import Reader, count_rows
 from storage.retention import Retention, RetentionPolicy, RetentionResult, StoredSize
 from storage.schema import metric_points, span_blocks
 from storage.writer import WriteBatch, Writer
+from tests import test_storage
 from tests.test_storage import FOREVER, NOW, SPIKES, T0, S, make_span, point, tid, window
 
 NOW_S = NOW // S
@@ -24,13 +22,7 @@ DAY_S = 86_400
 NO_AGE = dict(span_max_age_s=365 * DAY_S, point_max_age_s=365 * DAY_S)  # only the size caps bite
 
 
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    """A migrated database: SQLite, then PostgreSQL."""
-    eng = make_engine(db_url)
-    upgrade(eng)
-    yield eng
-    eng.dispose()
+engine = test_storage.engine  # the fixture: a migrated database, SQLite then PostgreSQL
 
 
 def recount(engine: Engine) -> StoredSize:

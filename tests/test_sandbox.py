@@ -22,21 +22,25 @@ import ctypes
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 
 from agent.spool import DiskSpool
 from storage.engine import make_engine
 from storage.reader import Reader
 from tests.daemons import free_port
-from tests.test_agent import send_spans, wait_until
-from tests.test_systemd_service import NotifiedAgent, NotifiedCollector, NotifySocket, unit_seconds
+from tests.test_agent import wait_until
+from tests.test_systemd_service import (
+    NotifiedAgent,
+    NotifiedCollector,
+    NotifySocket,
+    send_traces,
+    stop_as_systemd_does,
+)
 from tests.test_systemd_units import service_section
 
 pytestmark = pytest.mark.slow
@@ -119,12 +123,8 @@ def test_the_collector_runs_in_its_units_sandbox(tmp_path, dirs):
     try:
         collector.start()
         in_the_sandbox(collector.proc.pid)
-        recording = send_spans(GrpcSpanExporter(endpoint=collector.grpc_endpoint, insecure=True),
-                               {"service.name": "llm-gateway"}, n=10)
-        assert len(recording.acked) == 30
-        collector.proc.send_signal(signal.SIGTERM)
-        notify.wait_for("STOPPING", "1")
-        assert collector.proc.wait(unit_seconds("spikehound-collector.service", "TimeoutStopSec")) == 0
+        send_traces(collector.grpc_endpoint)
+        stop_as_systemd_does(collector, "spikehound-collector.service")
     finally:
         collector.kill()
         notify.close()
@@ -148,12 +148,8 @@ def test_the_agent_runs_in_its_units_sandbox(tmp_path, dirs):
         assert agent.metric("spikehound_agent_sampler_errors_total") == 0
         # /proc is all there for the samplers: /proc/stat, /proc/meminfo, /proc/net/dev, /proc/net/snmp
         assert not re.search(r"WARNING agent\.samplers\.(cpu|network)", agent.log_text()), agent.log_tail()
-        recording = send_spans(GrpcSpanExporter(endpoint=agent.grpc_endpoint, insecure=True),
-                               {"service.name": "llm-gateway"}, n=10)
-        assert len(recording.acked) == 30
-        agent.proc.send_signal(signal.SIGTERM)
-        notify.wait_for("STOPPING", "1")
-        assert agent.proc.wait(unit_seconds("spikehound-agent.service", "TimeoutStopSec")) == 0
+        send_traces(agent.grpc_endpoint)
+        stop_as_systemd_does(agent, "spikehound-agent.service")
     finally:
         agent.kill()
         notify.close()

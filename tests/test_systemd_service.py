@@ -12,6 +12,7 @@ import configparser
 import signal
 import socket
 import sqlite3
+import subprocess
 import tempfile
 import time
 import uuid
@@ -27,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.spool import DiskSpool
 from storage.engine import make_engine
 from storage.reader import Reader
-from tests.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config, free_port
+from tests.daemons import AgentProcess, CollectorProcess, CollectorThread, _accepts, collector_config, free_port
 from tests.test_agent import SdkApp, send_spans, wait_until
 
 pytestmark = pytest.mark.slow
@@ -79,20 +80,13 @@ class NotifySocket:
         self.sock.close()
 
 
-def accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 class Notified:
     """Mixin for a daemon process whose readiness is systemd's READY=1, with a look at its ports the moment
     READY=1 arrives (the test blocks on the socket, so there is no polling delay in between)."""
 
     notify: NotifySocket
     ports_at_ready: dict[int, bool] | None = None
+    proc: subprocess.Popen[bytes] | None
 
     def ports(self) -> list[int]:
         raise NotImplementedError
@@ -101,7 +95,7 @@ class Notified:
         message = self.notify.receive(0.1)
         if message is None or message.get("READY") != "1":
             return False
-        self.ports_at_ready = {port: accepts(port) for port in self.ports()}
+        self.ports_at_ready = {port: _accepts(port) for port in self.ports()}
         return True
 
 
@@ -139,6 +133,23 @@ def short_dir() -> Iterator[Path]:
         yield Path(name)
 
 
+def send_traces(endpoint: str, n: int = 10, **resource: str) -> None:
+    """``n`` traces of three spans through the OpenTelemetry SDK; every span acknowledged."""
+    recording = send_spans(GrpcSpanExporter(endpoint=endpoint, insecure=True),
+                           {"service.name": "llm-gateway", **resource}, n=n)
+    assert len(recording.acked) == 3 * n
+
+
+def stop_as_systemd_does(daemon: Notified, unit: str) -> dict[str, str]:
+    """SIGTERM; STOPPING=1 must follow, and exit status 0 within the unit's TimeoutStopSec."""
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+    stopping = daemon.notify.wait_for("STOPPING", "1")
+    assert daemon.proc.wait(unit_seconds(unit, "TimeoutStopSec")) == 0
+    assert "draining" in stopping["STATUS"]
+    return stopping
+
+
 def assert_systemd_saw_a_proper_start(daemon: Notified, notify: NotifySocket) -> None:
     assert daemon.ports_at_ready is not None and all(daemon.ports_at_ready.values()), daemon.ports_at_ready
     before_ready = notify.messages[:-1]
@@ -156,18 +167,12 @@ def test_collector_is_ready_only_when_listening_pings_the_watchdog_and_flushes_w
         collector.start()
         assert_systemd_saw_a_proper_start(collector, notify)
 
-        recording = send_spans(GrpcSpanExporter(endpoint=collector.grpc_endpoint, insecure=True),
-                               {"service.name": "llm-gateway", "host.name": "gpu-node-3"}, n=20)
-        assert len(recording.acked) == 60
+        send_traces(collector.grpc_endpoint, n=20)
         reader = Reader(make_engine(f"sqlite:///{db}"))
         assert reader.latency("llm-gateway", None, 0, 2**62) == []  # still open, in memory
-
-        collector.proc.send_signal(signal.SIGTERM)
-        stopping = notify.wait_for("STOPPING", "1")
-        assert collector.proc.wait(unit_seconds("spikehound-collector.service", "TimeoutStopSec")) == 0
+        stop_as_systemd_does(collector, "spikehound-collector.service")
     finally:
         collector.kill()
-    assert "draining" in stopping["STATUS"]
     windows = reader.latency("llm-gateway", None, 0, 2**62)
     assert sum(w.count for w in windows) == 20, windows  # every entry span of the acknowledged traces
     assert "collector stopped" in collector.log_text()
@@ -181,17 +186,11 @@ def test_agent_is_ready_only_when_listening_pings_the_watchdog_and_spools_its_qu
         agent.start()
         assert_systemd_saw_a_proper_start(agent, notify)
 
-        recording = send_spans(GrpcSpanExporter(endpoint=agent.grpc_endpoint, insecure=True),
-                               {"service.name": "llm-gateway"}, n=10)
-        assert len(recording.acked) == 30
-
-        agent.proc.send_signal(signal.SIGTERM)
-        stopping = notify.wait_for("STOPPING", "1")
-        assert agent.proc.wait(unit_seconds("spikehound-agent.service", "TimeoutStopSec")) == 0
+        send_traces(agent.grpc_endpoint)
+        stop_as_systemd_does(agent, "spikehound-agent.service")
     finally:
         agent.kill()
         notify.close()
-    assert "draining" in stopping["STATUS"]
     spool = DiskSpool(agent.spool_dir, 2**30)
     try:
         assert len(spool) > 0  # the queued requests were written to disk for the next start
