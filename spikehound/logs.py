@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import orjson
 
-from spikehound.config import Config, secret_values
+from spikehound.config import Config, ConfigError, secret_values
 
 # syslog priorities of our levels, for journald's SyslogLevelPrefix=
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
@@ -95,5 +95,11 @@ def setup(level: str = "info", fmt: str = "plain", file: str = "", secrets: Sequ
 
 
 def configure(cfg: Config) -> None:
-    """``setup`` from the ``[log]`` section, hiding every secret the configuration holds."""
-    setup(cfg.log.level, cfg.log.format, cfg.log.file, secret_values(cfg))
+    """``setup`` from the ``[log]`` section, hiding every secret the configuration holds.
+
+    A ``log.file`` that cannot be opened is a configuration error, named like any other.
+    """
+    try:
+        setup(cfg.log.level, cfg.log.format, cfg.log.file, secret_values(cfg))
+    except OSError as exc:
+        raise ConfigError(f"log.file: cannot open {cfg.log.file}: {exc.strerror}") from None

@@ -140,7 +140,8 @@ def test_a_log_file_that_cannot_be_opened_is_one_line_at_start(tmp_path):
     done = subprocess.run([str(Path(sys.executable).parent / "spikehound"), "collector", "--db",
                            f"sqlite:///{tmp_path / 'x.db'}"], capture_output=True, text=True, timeout=60,
                           env={"HOME": str(tmp_path), "SPIKEHOUND_LOG_FILE": str(tmp_path / "missing" / "c.log")})
-    assert done.returncode == 1
+    assert done.returncode == 2  # a configuration error: the unit does not restart into it
     assert done.stderr.strip().splitlines() == [
-        f"spikehound collector: [Errno 2] No such file or directory: '{tmp_path / 'missing' / 'c.log'}'"]
+        f"spikehound: bad configuration: log.file: cannot open {tmp_path / 'missing' / 'c.log'}: "
+        "No such file or directory"]
 
