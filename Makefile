@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest
 	$(BIN)/python -m benchmarks.detection
 	$(BIN)/python -m benchmarks.agent_overhead
+	$(BIN)/python -m benchmarks.retention
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

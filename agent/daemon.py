@@ -31,8 +31,9 @@ from agent.sampling import Sampler, SamplingLoop
 from agent.spool import DiskSpool, Item, Signal
 from agent.telemetry import AgentMetrics, registry_for
 from spikehound import __version__
-from spikehound.config import Config
+from spikehound.config import SECTIONS, Config
 from spikehound.lifecycle import start_http
+from spikehound.live_config import AGENT_LIVE_KEYS, apply_live
 
 log = logging.getLogger("spikehound.agent")
 
@@ -120,6 +121,10 @@ class Agent:
     def failed(self) -> asyncio.Future[None]:
         assert self._failed is not None, "start() first"
         return self._failed
+
+    async def reload(self, cfg: Config) -> None:
+        """SIGHUP: the log settings change at once; other changes wait for a restart (queued data is untouched)."""
+        apply_live(self.cfg, cfg, AGENT_LIVE_KEYS, ignore_sections=SECTIONS - {"agent", "log"}).report(log)
 
     async def stop(self) -> None:
         """Stop receiving, forward what is queued until the drain deadline, spool the rest."""

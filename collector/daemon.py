@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -26,6 +27,7 @@ from collector.pipeline import IngestPipeline
 from collector.telemetry import CollectorTelemetry
 from spikehound.config import Config, redact_url
 from spikehound.lifecycle import start_http
+from spikehound.live_config import COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.reader import Reader
@@ -52,6 +54,7 @@ class Collector:
         self._pipeline_task: asyncio.Task[None] | None = None
         self._failed: asyncio.Future[None] | None = None
         self._listening = False
+        self._reload_tasks: set[asyncio.Task[object]] = set()
 
     async def start(self) -> None:
         cfg, c = self.cfg, self.cfg.collector
@@ -112,9 +115,23 @@ class Collector:
             return False, "storage writes are failing"
         return True, "ok"
 
+    async def reload(self, cfg: Config) -> None:
+        """SIGHUP: log settings and retention caps change at once (changed caps run retention now); any other
+        change waits for a restart. Alert routes do not exist yet; when they do, they are re-read here too."""
+        change = apply_live(self.cfg, cfg, COLLECTOR_LIVE_KEYS, ignore_sections={"agent"})
+        change.report(log)
+        if self._pipeline is not None and RETENTION_KEYS.intersection(change.applied):
+            task = asyncio.create_task(self._pipeline.run_retention(), name="retention-after-reload")
+            self._reload_tasks.add(task)
+            task.add_done_callback(self._reload_tasks.discard)
+
     async def stop(self) -> None:
         """Stop taking data, commit everything accepted, then close."""
         self._listening = False
+        for task in list(self._reload_tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._grpc is not None:
             await self._grpc.stop(GRPC_GRACE_SECONDS)  # in-flight exports still get their commit
         for runner in reversed(self._runners[1:]):  # receivers first, the API last

@@ -20,12 +20,13 @@ from typing import Any, TypeVar
 
 from collector.detection import detection_settings
 from collector.ingest_queue import IngestQueue, Submission
+from collector.retention import RetentionRunner
 from collector.telemetry import CollectorTelemetry
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.config import Config
 from spikehound.model import Spike
 from storage import checkpoints
-from storage.retention import expire
+from storage.retention import Retention
 from storage.writer import SpanBlock, WriteBatch, Writer
 
 log = logging.getLogger("spikehound.collector.pipeline")
@@ -61,6 +62,7 @@ class IngestPipeline:
         self._last_input = time.monotonic()
         self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
         self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
+        self.retention = RetentionRunner(Retention(writer.engine), telemetry)
         self._failures = 0
         self._stopping = False
         self.commit_hooks: list[Callable[[WriteBatch], None]] = []  # told of every committed batch, on the writer
@@ -275,18 +277,7 @@ class IngestPipeline:
             await self.run_retention()
 
     async def run_retention(self) -> None:
-        s = self.cfg.storage
-        now = time.time()
-        try:
-            result = await self._on_writer(expire, self.writer.engine, int(now - s.span_retention_hours * 3600),
-                                           int(now - s.metric_retention_hours * 3600))
-        except Exception as exc:
-            log.error("retention failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
-            return
-        self.telemetry.retention_deleted.labels("spans").inc(result.spans)
-        self.telemetry.retention_deleted.labels("metric_points").inc(result.points)
-        if result.spans or result.points:
-            log.info("retention deleted %d spans and %d metric points", result.spans, result.points)
+        await self.retention.run(self.cfg.storage, self._on_writer)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

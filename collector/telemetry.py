@@ -62,8 +62,15 @@ class CollectorTelemetry:
         self.checkpoint_seconds = Histogram("spikehound_detector_checkpoint_seconds",
                                             "Time to save the detectors' learned state.",
                                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
-        self.retention_deleted = Counter("spikehound_retention_deleted", "Rows deleted by retention.",
-                                         ["table"], registry=r)
+        self.retention_deleted = Counter("spikehound_retention_deleted",
+                                         "Spans or metric points deleted by retention, past their age or over "
+                                         "the size caps.", ["table", "reason"], registry=r)
+        self.stored_span_bytes = Gauge("spikehound_storage_span_payload_bytes",
+                                       "Payload bytes of the stored spans, as retention last measured "
+                                       "(storage.span_retention_max_bytes caps it).", registry=r)
+        self.stored_metric_points = Gauge("spikehound_storage_metric_points",
+                                          "Stored metric points, as retention last measured "
+                                          "(storage.metric_retention_max_points caps it).", registry=r)
 
     def add_counter_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
         self.registry.register(_ReadOnScrape(read, CounterMetricFamily))

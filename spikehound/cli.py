@@ -56,9 +56,9 @@ def cmd_collector(args: argparse.Namespace) -> int:
     from spikehound.lifecycle import serve
 
     cfg = _config(args)
-    logs.setup(cfg.log.level, cfg.log.format)
     try:
-        return asyncio.run(serve(Collector(cfg)))
+        logs.configure(cfg)
+        return asyncio.run(serve(Collector(cfg), reload_config=lambda: _config(args)))
     except OSError as exc:
         print(f"spikehound collector: {exc}", file=sys.stderr)
         return 1
@@ -70,15 +70,20 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from spikehound.lifecycle import serve
 
     cfg = _config(args)
-    logs.setup(cfg.log.level, cfg.log.format)
     try:
-        return asyncio.run(serve(Agent(cfg), stop_timeout=cfg.agent.drain_seconds + 20))
+        logs.configure(cfg)
+        return asyncio.run(serve(Agent(cfg), stop_timeout=cfg.agent.drain_seconds + 20,
+                                 reload_config=lambda: _config(args)))
     except OSError as exc:
         print(f"spikehound agent: {exc}", file=sys.stderr)
         return 1
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    if args.file:
+        if args.config and args.config != args.file:
+            raise ConfigError(f"check-config: two files given ({args.file} and --config {args.config})")
+        args.config = args.file
     cfg = _config(args)
     sys.stdout.write(to_toml(effective(cfg)))
     print("# configuration is valid", file=sys.stderr)
@@ -199,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("check-config", help="validate the configuration and print the effective values")
+    p.add_argument("file", nargs="?", metavar="FILE", help="TOML file to check (same as --config FILE)")
     _add_config_flags(p)
     p.set_defaults(func=cmd_check_config)
 

@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 ENV_PREFIX = "SPIKEHOUND_"
 ENV_CONFIG_FILE = "SPIKEHOUND_CONFIG"  # names the TOML file; not itself a setting
@@ -89,6 +89,11 @@ class StorageConfig:
     metric_retention_hours: float = 168.0
     # SQLite durability: NORMAL survives a killed process, FULL also survives power loss.
     sqlite_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    # Size caps, enforced with the age caps (oldest arrivals go first); 0 means no cap.
+    # Span payload bytes (OTLP protobuf as stored) kept at most; spike exemplar traces are never deleted.
+    span_retention_max_bytes: int = 10 * 1024**3
+    # Metric samples kept at most.
+    metric_retention_max_points: int = 200_000_000
 
 
 @dataclass(slots=True)
@@ -195,6 +200,8 @@ class DetectionConfig:
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["plain", "json"] = "plain"
+    # Also append log lines to this file (reopened when logrotate moves it); empty means stderr only.
+    file: str = ""
 
 
 @dataclass(slots=True)
@@ -353,7 +360,9 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                        "collector.idle_flush_seconds": c.idle_flush_seconds,
                        "collector.retry_after_seconds": c.retry_after_seconds,
                        "agent.drain_seconds": cfg.agent.drain_seconds,
-                       "detection.min_abs_rise_ms": cfg.detection.min_abs_rise_ms}.items():
+                       "detection.min_abs_rise_ms": cfg.detection.min_abs_rise_ms,
+                       "storage.span_retention_max_bytes": cfg.storage.span_retention_max_bytes,
+                       "storage.metric_retention_max_points": cfg.storage.metric_retention_max_points}.items():
         if value < 0:
             raise ConfigError(f"{named(key)}: must not be negative, got {value}")
     if not c.api.is_loopback and not c.api_token:
@@ -429,3 +438,28 @@ def to_toml(doc: dict[str, Any]) -> str:
         if isinstance(values, dict):
             lines += ["", f"[{section}]"] + [f"{k} = {literal(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def secret_values(cfg: Config) -> list[str]:
+    """Every secret the configuration holds (tokens, database passwords), longest first, for log redaction.
+
+    >>> cfg = load(env={}, flags={"collector.api_token": "t0ken", "storage.url": "postgresql://u:p%40ss@db/x"})
+    >>> secret_values(cfg)
+    ['p%40ss', 't0ken', 'p@ss']
+    """
+    found: set[str] = set()
+
+    def walk(obj: Any) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, HostPort):
+                walk(value)
+            elif isinstance(value, str) and value and f.name.endswith(SECRET_SUFFIXES):
+                found.add(value)
+
+    walk(cfg)
+    parts = urlsplit(cfg.database_url)
+    if parts.password:
+        found.update({parts.password, unquote(parts.password)})
+    found.update(v for k, v in parse_qsl(parts.query) if k.lower() == "password" and v)
+    return sorted(found, key=lambda s: (-len(s), s))

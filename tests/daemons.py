@@ -93,6 +93,8 @@ class DaemonProcess:
     """A ``spikehound`` daemon as a child process; ``start`` may be called again after a stop or kill."""
 
     name = "daemon"
+    # A command line the daemon's own is appended to (a sandbox, say); empty runs it directly.
+    prefix: list[str] = []
 
     def __init__(self, workdir: Path, env: Mapping[str, str] | None) -> None:
         self.workdir = workdir
@@ -112,7 +114,8 @@ class DaemonProcess:
         self.starts += 1
         self._close_log()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives with the process, closed by kill/terminate
-        self.proc = subprocess.Popen([exe, *self.args()], stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen([*self.prefix, exe, *self.args()], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

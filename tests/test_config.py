@@ -253,7 +253,7 @@ def test_check_config_prints_the_effective_toml(tmp_path):
     shown = tomllib.loads(done.stdout)
     assert shown["collector"]["queue_capacity"] == 1234
     assert shown["collector"]["api"] == "127.0.0.1:9999"
-    assert shown["log"] == {"level": "info", "format": "json"}
+    assert shown["log"] == {"level": "info", "format": "json", "file": ""}
     assert shown["data_dir"] == str(tmp_path / "state")
 
 

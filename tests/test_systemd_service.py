@@ -1,0 +1,327 @@
+"""The daemons as systemd runs them: notifications on a real unix-datagram NOTIFY_SOCKET, SIGTERM, SIGHUP.
+
+Each test starts ``spikehound collector`` or ``spikehound agent`` as a child process with ``NOTIFY_SOCKET``
+(and ``WATCHDOG_USEC``) pointing at a socket the test reads, as systemd's manager would. What is checked
+is what systemd and an operator see: the datagrams, the exit status within the unit's ``TimeoutStopSec``,
+the data on disk afterwards, the log, and that senders lose nothing across reloads.
+"""
+
+from __future__ import annotations
+
+import configparser
+import signal
+import socket
+import sqlite3
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import requests
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.spool import DiskSpool
+from detectors.engine import DetectionEngine
+from detectors.settings import DetectionSettings
+from storage import checkpoints
+from storage.engine import make_engine
+from storage.reader import Reader
+from tests.daemons import AgentProcess, CollectorProcess, CollectorThread, _accepts, collector_config, free_port
+from tests.test_agent import SdkApp, send_spans, wait_until
+
+pytestmark = pytest.mark.slow
+
+UNITS = Path(__file__).resolve().parents[1] / "systemd"
+WATCHDOG_USEC = 400_000  # pings every 0.2 s
+
+
+def unit_seconds(unit: str, key: str) -> float:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.read(UNITS / unit)
+    return float(parser["Service"][key])
+
+
+class NotifySocket:
+    """A unix datagram socket standing in for systemd's notification socket; reads parsed messages in order."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if directory is None:  # Linux's abstract namespace, which systemd itself uses
+            name = f"spikehound-test-{uuid.uuid4().hex}"
+            self.sock.bind("\0" + name)
+            self.address = "@" + name
+        else:
+            self.sock.bind(str(directory / "notify"))
+            self.address = str(directory / "notify")
+        self.messages: list[dict[str, str]] = []
+
+    def receive(self, timeout: float) -> dict[str, str] | None:
+        """The next message, or None if none came within ``timeout`` seconds."""
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(4096)
+        except TimeoutError:
+            return None
+        message = dict(line.split("=", 1) for line in data.decode().splitlines())
+        self.messages.append(message)
+        return message
+
+    def wait_for(self, key: str, value: str, timeout: float = 30) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            message = self.receive(left)
+            if message is not None and message.get(key) == value:
+                return message
+        raise AssertionError(f"no {key}={value} within {timeout} s; received {self.messages}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Notified:
+    """Mixin for a daemon process whose readiness is systemd's READY=1, with a look at its ports the moment
+    READY=1 arrives (the test blocks on the socket, so there is no polling delay in between)."""
+
+    notify: NotifySocket
+    ports_at_ready: dict[int, bool] | None = None
+    proc: subprocess.Popen[bytes] | None
+
+    def ports(self) -> list[int]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        message = self.notify.receive(0.1)
+        if message is None or message.get("READY") != "1":
+            return False
+        self.ports_at_ready = {port: _accepts(port) for port in self.ports()}
+        return True
+
+
+class NotifiedCollector(Notified, CollectorProcess):
+    def __init__(self, db_url: str, workdir: Path, notify: NotifySocket, **env: str) -> None:
+        super().__init__(db_url, workdir, {"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": str(WATCHDOG_USEC),
+                                           **env})
+        self.notify = notify
+
+    def ports(self) -> list[int]:
+        return [self.api_port, self.grpc_port, self.http_port]
+
+
+class NotifiedAgent(Notified, AgentProcess):
+    def __init__(self, collector: str, workdir: Path, notify: NotifySocket, **env: str) -> None:
+        super().__init__(collector, workdir, env={"NOTIFY_SOCKET": notify.address,
+                                                  "WATCHDOG_USEC": str(WATCHDOG_USEC), **env})
+        self.notify = notify
+
+    def ports(self) -> list[int]:
+        return [self.grpc_port, self.http_port, self.metrics_port]
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    sock = NotifySocket()
+    yield sock
+    sock.close()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path: a unix socket path has at most 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="sh-") as name:
+        yield Path(name)
+
+
+def send_traces(endpoint: str, n: int = 10, **resource: str) -> None:
+    """``n`` traces of three spans through the OpenTelemetry SDK; every span acknowledged."""
+    recording = send_spans(GrpcSpanExporter(endpoint=endpoint, insecure=True),
+                           {"service.name": "llm-gateway", **resource}, n=n)
+    assert len(recording.acked) == 3 * n
+
+
+def stop_as_systemd_does(daemon: Notified, unit: str) -> dict[str, str]:
+    """SIGTERM; STOPPING=1 must follow, and exit status 0 within the unit's TimeoutStopSec."""
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+    stopping = daemon.notify.wait_for("STOPPING", "1")
+    assert daemon.proc.wait(unit_seconds(unit, "TimeoutStopSec")) == 0
+    assert "draining" in stopping["STATUS"]
+    return stopping
+
+
+def assert_systemd_saw_a_proper_start(daemon: Notified, notify: NotifySocket) -> None:
+    assert daemon.ports_at_ready is not None and all(daemon.ports_at_ready.values()), daemon.ports_at_ready
+    before_ready = notify.messages[:-1]
+    assert any(m.get("STATUS", "").endswith("starting") for m in before_ready), notify.messages
+    assert notify.messages[-1]["STATUS"].endswith("running")
+    for _ in range(5):  # the event loop keeps pinging
+        notify.wait_for("WATCHDOG", "1", timeout=10)
+
+
+def test_collector_is_ready_only_when_listening_pings_the_watchdog_and_saves_open_windows_on_sigterm(tmp_path,
+                                                                                                  notify):
+    db = tmp_path / "spikehound.db"
+    # Windows stay open in memory; the stop saves them with the detectors' checkpoint, which the next start
+    # continues (so a restart does not cut a window in two).
+    collector = NotifiedCollector(f"sqlite:///{db}", tmp_path, notify, SPIKEHOUND_COLLECTOR_IDLE_FLUSH_SECONDS="3600")
+    try:
+        collector.start()
+        assert_systemd_saw_a_proper_start(collector, notify)
+
+        send_traces(collector.grpc_endpoint, n=20)
+        reader = Reader(make_engine(f"sqlite:///{db}"))
+        assert reader.latency("llm-gateway", None, 0, 2**62) == []  # still open, in memory
+        stop_as_systemd_does(collector, "spikehound-collector.service")
+    finally:
+        collector.kill()
+    saved = checkpoints.load(make_engine(f"sqlite:///{db}"), "detection")
+    assert saved is not None, "no checkpoint written at stop"
+    windows = DetectionEngine.restore(DetectionSettings(), saved.state).flush().windows
+    # Every entry span of the acknowledged traces is in the saved open windows.
+    assert sum(w.count for w in windows if w.service == "llm-gateway") == 20, windows
+    assert "collector stopped" in collector.log_text()
+
+
+def test_agent_is_ready_only_when_listening_pings_the_watchdog_and_spools_its_queue_on_sigterm(tmp_path, short_dir):
+    notify = NotifySocket(short_dir)  # a socket path this time, as systemd's NOTIFY_SOCKET usually is
+    nowhere = f"127.0.0.1:{free_port()}"  # the collector is away: what the agent takes stays queued
+    agent = NotifiedAgent(nowhere, tmp_path, notify, SPIKEHOUND_AGENT_DRAIN_SECONDS="1")
+    try:
+        agent.start()
+        assert_systemd_saw_a_proper_start(agent, notify)
+
+        send_traces(agent.grpc_endpoint)
+        stop_as_systemd_does(agent, "spikehound-agent.service")
+    finally:
+        agent.kill()
+        notify.close()
+    spool = DiskSpool(agent.spool_dir, 2**30)
+    try:
+        assert len(spool) > 0  # the queued requests were written to disk for the next start
+    finally:
+        spool.close()
+    assert "left in the disk spool for the next start" in agent.log_text(), agent.log_tail()
+
+
+def test_without_notify_socket_the_daemon_runs_as_before(tmp_path):
+    """No NOTIFY_SOCKET (not under systemd): nothing is sent, nothing fails, SIGHUP does not kill it."""
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path).start()
+    try:
+        collector.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "configuration reloaded" in collector.log_text(), 30, "the reload logged")
+        assert collector.ready()
+        assert collector.terminate(60) == 0
+    finally:
+        collector.kill()
+    assert "cannot notify systemd" not in collector.log_text()
+
+
+# --- SIGHUP ------------------------------------------------------------------------------------
+
+
+def write_config(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    tmp.replace(path)  # what an editor or a configuration manager does: never a half-written file
+
+
+def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, notify):
+    config = tmp_path / "agent.toml"
+    write_config(config, '[log]\nlevel = "info"\n')
+    with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'spikehound.db'}")) as collector:
+        agent = NotifiedAgent(collector.grpc_endpoint, tmp_path, notify, SPIKEHOUND_CONFIG=str(config))
+        agent.interval = 0.2
+        try:
+            agent.start()
+            app = SdkApp(agent.grpc_endpoint, "llm-gateway", traces_per_second=20).start()
+            try:
+                time.sleep(1)
+                assert "sampled" not in agent.log_text()  # the samplers' per-tick line is at debug
+
+                write_config(config, '[log]\nlevel = "debug"\n[agent]\nhost_name = "renamed"\n')
+                agent.proc.send_signal(signal.SIGHUP)
+                notify.wait_for("RELOADING", "1")
+                assert notify.wait_for("READY", "1")["STATUS"].endswith("configuration reloaded")
+                wait_until(lambda: "sampled" in agent.log_text(), 30, "debug lines after the reload")
+                log = agent.log_text()
+                assert "now in effect: log.level" in log
+                assert "agent.host_name changed in the configuration; it takes effect at the next restart" in log
+
+                write_config(config, '[log]\nlevel = "loud"\n')  # a bad edit: refused, the agent keeps running
+                agent.proc.send_signal(signal.SIGHUP)
+                refused = notify.wait_for("READY", "1")
+                assert "reload failed" in refused["STATUS"] and "log.level" in refused["STATUS"]
+                assert "reload failed; the running configuration stays in effect" in agent.log_text()
+                time.sleep(0.5)
+            finally:
+                app.stop()
+            assert agent.terminate(60) == 0
+        finally:
+            agent.kill()
+        acked = app.recording.acked
+        assert len(acked) > 20 and not app.recording.failed  # the app sent all along, through both reloads ...
+        reader = Reader(collector.collector.engine)
+        traces = {bytes.fromhex(t) for t, _ in acked}
+        stored = lambda: {(s.trace_id.hex(), s.span_id.hex()) for t in traces for s in reader.trace(t)}  # noqa: E731
+        wait_until(lambda: stored() >= acked, 30, "every acknowledged span stored")  # ... and lost nothing
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = requests.get(f"{url}/metrics", timeout=5).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_taking_data(tmp_path, notify):
+    db, config = tmp_path / "spikehound.db", tmp_path / "collector.toml"
+    write_config(config, "[storage]\nspan_retention_max_bytes = 0\n")
+    collector = NotifiedCollector(f"sqlite:///{db}", tmp_path, notify, SPIKEHOUND_CONFIG=str(config))
+    try:
+        collector.start()
+        traces = []
+        for i in range(10):  # ten requests, one stored block each, oldest first
+            recording = send_spans(GrpcSpanExporter(endpoint=collector.grpc_endpoint, insecure=True),
+                                   {"service.name": "llm-gateway", "request": str(i)}, n=1)
+            traces.append(next(iter(recording.acked))[0])
+        with closing(sqlite3.connect(db)) as conn:
+            sizes = [n for (n,) in conn.execute("SELECT length(payload) FROM span_blocks ORDER BY id")]
+        assert len(sizes) == 10
+        cap = sum(sizes[-4:])  # room for the newest four
+
+        write_config(config, f"[storage]\nspan_retention_max_bytes = {cap}\n[collector]\nqueue_capacity = 1000\n")
+        collector.proc.send_signal(signal.SIGHUP)
+        notify.wait_for("RELOADING", "1")
+        notify.wait_for("READY", "1")
+        deleted = ("spikehound_retention_deleted_total", (("reason", "size"), ("table", "spans")))
+        wait_until(lambda: scrape(collector.api).get(deleted) == 18, 30, "six blocks of three spans deleted")
+        kept = [requests.get(f"{collector.api}/api/v1/traces/{t}", timeout=5).status_code == 200 for t in traces]
+        assert kept == [False] * 6 + [True] * 4  # oldest arrivals first
+        assert scrape(collector.api)[("spikehound_storage_span_payload_bytes", ())] == cap
+        log = collector.log_text()
+        assert "now in effect: storage.span_retention_max_bytes" in log
+        assert "collector.queue_capacity changed in the configuration; it takes effect at the next restart" in log
+
+        app = SdkApp(collector.grpc_endpoint, "model-server", traces_per_second=20).start()
+        try:
+            time.sleep(0.5)
+            write_config(config, f"[storage]\nspan_retention_max_bytes = {cap}\n[log]\nlevel = \"warning\"\n")
+            collector.proc.send_signal(signal.SIGHUP)
+            notify.wait_for("READY", "1")
+            time.sleep(0.5)
+        finally:
+            app.stop()
+        acked = app.recording.acked
+        assert len(acked) > 10 and not app.recording.failed
+        served = set()
+        for trace_id in {t for t, _ in acked}:
+            body = requests.get(f"{collector.api}/api/v1/traces/{trace_id}", timeout=5).json()
+            served |= {(s["trace_id"], s["span_id"]) for s in body["spans"]}
+        assert served == acked  # nothing lost while reloading
+        assert collector.terminate(60) == 0
+    finally:
+        collector.kill()
+    assert "collector stopped" not in collector.log_text()  # level warning by then: info lines are gone
