@@ -6,7 +6,8 @@ JSON. They are synchronous (the collector runs them in a thread pool).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,28 @@ class Reader:
                       exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)),
                       detected_unix_nano=r.detected_ns)
                 for r in rows]
+
+    def span_payloads(self, since_ns: int, until_ns: int, *, clock_skew_seconds: int = 3600) -> Iterator[bytes]:
+        """Every stored span block that may hold a span ending in [since, until), each stored block once.
+
+        For compare and the serving analyses, which read whole time ranges. A span arrives after it
+        ends, so blocks that arrived before ``since`` (less the senders' clock skew) are skipped
+        through the arrival index; the blocks' own time range does the rest. A block stored twice (a
+        retried export) is served once. Rows stream (a server-side cursor on PostgreSQL).
+        """
+        b = schema.span_blocks
+        query = select(b.c.payload, b.c.start_ns, b.c.end_ns).where(
+            b.c.ingested_at >= since_ns // 1_000_000_000 - clock_skew_seconds,
+            b.c.end_ns >= since_ns, b.c.start_ns < until_ns)
+        seen: set[tuple[int, int, int, int]] = set()
+        with self.engine.connect() as conn:
+            for payload, start_ns, end_ns in conn.execution_options(stream_results=True, yield_per=64
+                                                                    ).execute(query):
+                data = bytes(payload)
+                digest = (len(data), zlib.crc32(data), start_ns, end_ns)
+                if digest not in seen:
+                    seen.add(digest)
+                    yield data
 
 
 def count_rows(engine: Engine, table: str) -> int:
