@@ -1,0 +1,150 @@
+"""Cost of the regression gate: ``GET /api/v1/compare`` over a million stored spans.
+
+Run from the repository root: ``python -m benchmarks.compare`` (``make bench``).
+
+What is measured
+----------------
+A SQLite database in a temporary directory is filled, through the storage
+writer, with ``--spans`` spans (default 1,000,000) of the ingest benchmark's
+inference traces (``benchmarks.ingest.make_trace``: 7 spans over a gateway and a
+model server, heavy-tailed latencies) in 512-span blocks, ending over the last
+30 minutes. Half the traces come from resources labelled
+``deployment.id=blue``, half from ``deployment.id=green``, whose forward passes
+are 10 % slower. A real ``spikehound collector`` is started on that database
+and ``GET /api/v1/compare?baseline=deployment.id=blue&candidate=deployment.id=green``
+is timed from the outside (``--runs`` times, default 3): reading the blocks,
+decoding what the comparison needs, critical paths of up to 20,000 traces per
+side, every request's latency per operation, and 2,000 bootstrap replicates of
+p50/p95/p99 per operation and per critical-path stage. The target is under
+5 s on a 2-core machine.
+
+Reference, same run, same blocks: reading them from the same database and
+parsing them with protobuf (``ExportTraceServiceRequest.FromString``), nothing
+else, in this process: the floor under any analysis that reads every span;
+and ``spikehound.otlp.decode_spans`` of every span (what reading traces one by
+one costs per span). This is a measurement: it exits 0 whatever the time, and
+non-zero only when the benchmark itself failed (the collector died, or the
+comparison did not find the requests that were written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from benchmarks.ingest import NS, Collector, make_trace
+from spikehound.model import Span
+from spikehound.otlp import decode_spans, encode_spans
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.reader import Reader
+from storage.writer import SpanBlock, WriteBatch, Writer
+
+TARGET_SECONDS = 5.0
+BLOCK = 512
+SEED = 20261130
+
+
+def fill(db_url: str, spans: int, seed: int = SEED) -> tuple[int, int, int]:
+    """Write ``spans`` spans; returns (since, until) covering them and the number of root requests."""
+    rng = random.Random(seed)
+    engine = make_engine(db_url)
+    upgrade(engine)
+    writer = Writer(engine)
+    now = time.time_ns()
+    since, until, roots, written = now - 1900 * NS, now, 0, 0
+    pending: list[Span] = []
+    while written < spans:
+        trace = make_trace(rng, rng.getrandbits(64).to_bytes(8, "big"), now - rng.randrange(1800 * NS))
+        colour = "green" if rng.random() < 0.5 else "blue"
+        for s in trace:
+            s.resource = {**s.resource, "deployment.id": colour}
+            if colour == "green" and s.name == "forward":  # the candidate's forward pass is 10 % slower
+                s.end_unix_nano += s.duration_ns // 10
+        roots += 1
+        pending += trace[: spans - written]
+        written += len(trace[: spans - written])
+        while len(pending) >= BLOCK or (written == spans and pending):
+            block, pending = pending[:BLOCK], pending[BLOCK:]
+            writer.write(WriteBatch(spans=block, blocks=[SpanBlock(encode_spans(block).SerializeToString(), block)]))
+    engine.dispose()
+    return since, until, roots
+
+
+def reference(db_url: str, since: int, until: int) -> tuple[float, float, int]:
+    """Seconds to read + parse every block, and to decode every span with decode_spans; and the span count."""
+    engine = make_engine(db_url)
+    reader = Reader(engine)
+    started = time.perf_counter()
+    payloads = list(reader.span_payloads(since, until))
+    parsed = [ExportTraceServiceRequest.FromString(p) for p in payloads]
+    parse_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    count = sum(len(decode_spans(req).spans) for req in parsed)
+    decode_seconds = time.perf_counter() - started
+    engine.dispose()
+    return parse_seconds, decode_seconds, count
+
+
+def timed_compare(api: str, since: int, until: int) -> tuple[float, dict]:
+    query = urllib.parse.urlencode({"baseline": "deployment.id=blue", "candidate": "deployment.id=green",
+                                    "since": str(since / NS), "until": str(until / NS)})
+    started = time.perf_counter()
+    with urllib.request.urlopen(f"{api}/api/v1/compare?{query}", timeout=600) as response:
+        body = json.load(response)
+    return time.perf_counter() - started, body
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spans", type=int, default=1_000_000, help="spans stored (default 1,000,000)")
+    p.add_argument("--runs", type=int, default=3, help="timed comparisons (default 3)")
+    args = p.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="spikehound-bench-compare-"))
+    db_url = f"sqlite:///{workdir / 'spikehound.db'}"
+    started = time.perf_counter()
+    since, until, roots = fill(db_url, args.spans)
+    print(f"stored {args.spans:,} spans ({roots:,} traces) in {time.perf_counter() - started:.0f} s", flush=True)
+
+    collector = Collector(db_url, workdir)
+    collector.start()
+    try:
+        times, body = [], {}
+        for _ in range(args.runs):
+            seconds, body = timed_compare(f"http://127.0.0.1:{collector.api_port}", since, until)
+            times.append(seconds)
+            print(f"compare: {seconds:.2f} s", flush=True)
+    finally:
+        collector.stop()
+    parse_seconds, decode_seconds, count = reference(db_url, since, until)
+
+    judged = [op for op in body.get("operations", []) if op["judged"]]
+    requests = sum(op["baseline"]["count"] + op["candidate"]["count"] for op in judged)
+    best, median = min(times), statistics.median(times)
+    print()
+    print(f"compare over {count:,} spans ({requests:,} entry spans in {len(judged)} operations, critical paths of "
+          f"{body['baseline']['path_traces']:,} + {body['candidate']['path_traces']:,} traces): "
+          f"median {median:.2f} s, best {best:.2f} s  target < {TARGET_SECONDS:.0f} s: "
+          f"{'PASS' if median < TARGET_SECONDS else 'ABOVE TARGET'}")
+    print(f"reference, same blocks: read + protobuf parse only {parse_seconds:.2f} s; "
+          f"decode_spans of every span {decode_seconds:.2f} s")
+    print(f"verdict on the 10 % slower forward pass: {body['verdict']} (exit {body['exit_code']})")
+    if count != args.spans or not judged:
+        print(f"benchmark failed: {count:,} spans read back, {len(judged)} operations judged", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
