@@ -109,7 +109,7 @@ def pipeline_breakdown(service: str, operation: str, requests: Sequence[tuple[in
         return None
     ordered = sorted(requests, key=lambda r: r[0])
     want = min(min_group, n)
-    lo, hi = math.floor((0.5 - median_band) * n), math.ceil((0.5 + median_band) * n)
+    lo, hi = math.floor((0.5 - median_band) * n + 1e-9), math.ceil((0.5 + median_band) * n - 1e-9)
     if hi - lo < want:
         lo = max(0, min(n - want, n // 2 - want // 2))
         hi = lo + want

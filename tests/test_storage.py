@@ -669,6 +669,9 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
     "one spike": (lambda r: r.spike("a1"), ["SEARCH spikes", "(id=?)", "SEARCH causes"]),
     "services": (lambda r: r.services(), ["operations USING COVERING INDEX"]),
     "hosts": (lambda r: r.hosts(), ["metric_series USING COVERING INDEX", "hosts USING INDEX"]),
+    # compare and the serving analyses: what arrived since the range began, then the blocks' own times.
+    "span blocks of a time range": (lambda r: list(r.span_payloads(T0, T0 + 3600 * S)),
+                                    ["SEARCH span_blocks USING INDEX ix_span_blocks_ingested_at (ingested_at>?)"]),
 }
 FULL_SCAN = re.compile(rf"\bSCAN ({'|'.join(BIG_TABLES)})\b(?! USING (COVERING )?INDEX)")
 
