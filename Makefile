@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest
 	$(BIN)/python -m benchmarks.agent_overhead
+	$(BIN)/python -m benchmarks.compare
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -42,6 +42,18 @@ def window(since: int, until: int) -> list[str]:
     return ["--since", unix(since), "--until", unix(until)]
 
 
+def versions_a_and_slower_b(collector: CollectorProcess, a: str, b: str, requests: int, seed: int) -> tuple[int, int]:
+    """Version ``a`` and, side by side, version ``b`` with the slower preprocessing tail."""
+    return drive([VersionedStack(collector.grpc_endpoint, a, seed=seed),
+                  VersionedStack(collector.grpc_endpoint, b, seed=seed + 1, latency=SLOWER)], requests)
+
+
+def compare_cli(collector: CollectorProcess, baseline: str, candidate: str, since: int, until: int,
+                *extra: str) -> subprocess.CompletedProcess[str]:
+    return spikehound("compare", "--api", collector.api, "--baseline", baseline, "--candidate", candidate,
+                      *window(since, until), *extra)
+
+
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess]:
     workdir = tmp_path_factory.mktemp("gate")
@@ -52,18 +64,15 @@ def gate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess]
 
 @pytest.mark.slow
 def test_a_slower_preprocessing_tail_fails_the_gate_and_names_the_span(gate: CollectorProcess, tmp_path: Path):
-    since, until = drive([VersionedStack(gate.grpc_endpoint, "1.4.2", seed=1),
-                          VersionedStack(gate.grpc_endpoint, "1.5.0", seed=2, latency=SLOWER)], 800)
+    since, until = versions_a_and_slower_b(gate, "1.4.2", "1.5.0", 800, seed=1)
 
-    table = spikehound("compare", "--api", gate.api, "--baseline", "1.4.2", "--candidate", "1.5.0",
-                       *window(since, until))
+    table = compare_cli(gate, "1.4.2", "1.5.0", since, until)
     assert table.returncode == 1, table.stdout + table.stderr
     assert "p99 regression in 2 operations" in table.stdout
     assert "gateway POST /v1/predict: p99" in table.stdout
     assert "the span that grew: preprocess: preprocess" in table.stdout
 
-    report = json.loads(spikehound("compare", "--api", gate.api, "--baseline", "1.4.2", "--candidate", "1.5.0",
-                                   "--format", "json", *window(since, until)).stdout)
+    report = json.loads(compare_cli(gate, "1.4.2", "1.5.0", since, until, "--format", "json").stdout)
     gateway = next(op for op in report["operations"] if op["service"] == "gateway")
     assert gateway["regression"] and gateway["grew"]["name"] == "preprocess"
     assert 10 < gateway["grew"]["p99_growth_ms"] < 20  # the 15 ms that was added
@@ -101,16 +110,13 @@ def test_identical_versions_pass_in_at_least_19_of_20_seeded_runs(gate: Collecto
 
 
 def test_a_tiny_sample_exits_2_and_says_why(gate: CollectorProcess):
-    since, until = drive([VersionedStack(gate.grpc_endpoint, "tiny-a", seed=5),
-                          VersionedStack(gate.grpc_endpoint, "tiny-b", seed=6, latency=SLOWER)], 20)
-    result = spikehound("compare", "--api", gate.api, "--baseline", "tiny-a", "--candidate", "tiny-b",
-                        *window(since, until))
+    since, until = versions_a_and_slower_b(gate, "tiny-a", "tiny-b", 20, seed=5)
+    result = compare_cli(gate, "tiny-a", "tiny-b", since, until)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "too little data to judge" in result.stdout
     assert "the baseline has 20 requests and the candidate has 20 requests, fewer than 100" in result.stdout
 
-    nothing = spikehound("compare", "--api", gate.api, "--baseline", "tiny-a", "--candidate", "9.9.9",
-                         *window(since, until))
+    nothing = compare_cli(gate, "tiny-a", "9.9.9", since, until)
     assert nothing.returncode == 2
     assert "no requests match the candidate (9.9.9)" in nothing.stdout
 
