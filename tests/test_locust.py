@@ -65,10 +65,13 @@ def locust_counts(prefix: Path) -> tuple[int, int]:
 @pytest.mark.skipif(LOCUST is None, reason="locust is not installed (pip install -e '.[dev]')")
 def test_locust_traffic_is_what_compare_judges(collector: CollectorProcess, tmp_path: Path):
     since = time.time_ns()
+    # --stop-timeout lets each user finish the request it has in flight when the run time is up, so every
+    # request the services served is one Locust counted.
     services = [start_service(v, collector.grpc_endpoint, tmp_path / f"service-{v}.log") for v in VERSIONS]
     try:
         runs = [subprocess.Popen([LOCUST, "-f", str(EXAMPLE / "locustfile.py"), "--headless", "--users", "4",
-                                  "--spawn-rate", "4", "--run-time", "5s", "--host", url, "--json-file",
+                                  "--spawn-rate", "4", "--run-time", "5s", "--stop-timeout", "20", "--host", url,
+                                  "--json-file",
                                   str(tmp_path / version), "--only-summary", "--loglevel", "WARNING"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path)
                 for version, (_, url) in zip(VERSIONS, services, strict=True)]

@@ -1,6 +1,6 @@
 """Locust load for the regression gate: steady inference requests at a target rate.
 
-    locust -f examples/locust/locustfile.py --headless --users 10 --spawn-rate 10 --run-time 2m \
+    locust -f examples/locust/locustfile.py --headless --users 10 --spawn-rate 10 --run-time 2m --stop-timeout 10 \
         --host http://candidate:8080
 
 Each simulated user sends ``RATE_PER_USER`` requests per second (environment
