@@ -14,7 +14,8 @@ and there can be millions. A ``SpanScan`` keeps only what they need:
 Resources are matched before their spans are looked at: a selection by
 resource attribute (``service.version=1.4.2``) or by service skips the spans
 of every other resource at the cost of reading its attributes once. Kept spans
-carry no attributes except ``keep_attribute`` (the batch size, for batching).
+carry no attributes except ``keep_attribute`` (the batch size, for batching),
+and of their resource only the attributes a selection asked about.
 
 >>> from spikehound.model import Span, SpanKind, StatusCode
 >>> from spikehound.otlp import encode_spans
@@ -38,7 +39,7 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from spikehound.model import Span, SpanKind, StatusCode
-from spikehound.otlp import UNKNOWN_SERVICE, any_value, attributes
+from spikehound.otlp import UNKNOWN_SERVICE, any_value
 
 __all__ = ["SpanScan", "attribute_text", "scan_block"]
 
@@ -152,15 +153,25 @@ class SpanScan:
 def scan_block(payload: bytes, scans: Sequence[SpanScan]) -> None:
     """Feed one stored block (an encoded ExportTraceServiceRequest) to every scan whose selection matches."""
     req = ExportTraceServiceRequest.FromString(payload)
+    wanted = {scan.attribute[0] for scan in scans if scan.attribute is not None}
     for rs in req.resource_spans:
-        resource = attributes(rs.resource.attributes)
-        service = resource.pop("service.name", None) or UNKNOWN_SERVICE
-        host = resource.pop("host.name", None)
-        if not isinstance(service, str):
-            service = str(service)
-        matching = [scan for scan in scans if scan.accepts(service, resource)]
-        for scan in matching:
-            for ss in rs.scope_spans:
-                scan.add(ss.spans, service, host if isinstance(host, str) else None, resource)
+        # Only the attributes a selection asks about are decoded: a block holds a dozen resources.
+        service: Any = UNKNOWN_SERVICE
+        host: Any = None
+        resource: dict[str, Any] = {}
+        for kv in rs.resource.attributes:
+            key = kv.key
+            if key == "service.name":
+                service = any_value(kv.value) or UNKNOWN_SERVICE
+            elif key == "host.name":
+                host = any_value(kv.value)
+            elif key in wanted:
+                resource[key] = any_value(kv.value)
+        service = service if isinstance(service, str) else str(service)
+        host = host if isinstance(host, str) else None
+        for scan in scans:
+            if scan.accepts(service, resource):
+                for ss in rs.scope_spans:
+                    scan.add(ss.spans, service, host, resource)
     for scan in scans:
         scan.settle()
