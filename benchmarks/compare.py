@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -40,11 +41,12 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from benchmarks.ingest import NS, Collector, make_trace
+from benchmarks.ingest import NS, Collector, _cpu_seconds, _machine_busy_seconds, make_trace
 from spikehound.model import Span
 from spikehound.otlp import decode_spans, encode_spans
 from storage.engine import make_engine
@@ -110,13 +112,24 @@ def reference(db_url: str, since: int, until: int) -> tuple[float, float, int]:
     return parse_seconds, decode_seconds, count
 
 
-def timed_compare(api: str, since: int, until: int) -> tuple[float, dict]:
+@dataclass(frozen=True, slots=True)
+class Timing:
+    seconds: float  # wall clock, as the client sees it
+    collector_cpu: float  # CPU seconds the collector spent meanwhile
+    other_cores: float  # cores other processes kept busy meanwhile (a shared machine slows everything)
+
+
+def timed_compare(api: str, pid: int, since: int, until: int) -> tuple[Timing, dict]:
     query = urllib.parse.urlencode({"baseline": "deployment.id=blue", "candidate": "deployment.id=green",
                                     "since": str(since / NS), "until": str(until / NS)})
+    busy0, cpu0, own0 = _machine_busy_seconds(), _cpu_seconds(pid), time.process_time()
     started = time.perf_counter()
     with urllib.request.urlopen(f"{api}/api/v1/compare?{query}", timeout=600) as response:
         body = json.load(response)
-    return time.perf_counter() - started, body
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds(pid) - cpu0
+    others = (_machine_busy_seconds() - busy0 - cpu - (time.process_time() - own0)) / seconds
+    return Timing(seconds, cpu, max(others, 0.0)), body
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,23 +146,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     collector = Collector(db_url, workdir)
     collector.start()
     try:
-        times, body = [], {}
+        timings: list[Timing] = []
+        body: dict = {}
         for _ in range(args.runs):
-            seconds, body = timed_compare(f"http://127.0.0.1:{collector.api_port}", since, until)
-            times.append(seconds)
-            print(f"compare: {seconds:.2f} s", flush=True)
+            timing, body = timed_compare(f"http://127.0.0.1:{collector.api_port}", collector.pid, since, until)
+            timings.append(timing)
+            print(f"compare: {timing.seconds:.2f} s (collector CPU {timing.collector_cpu:.2f} s; other processes "
+                  f"kept {timing.other_cores:.2f} cores busy)", flush=True)
     finally:
         collector.stop()
     parse_seconds, decode_seconds, count = reference(db_url, since, until)
 
     judged = [op for op in body.get("operations", []) if op["judged"]]
     requests = sum(op["baseline"]["count"] + op["candidate"]["count"] for op in judged)
+    times = [t.seconds for t in timings]
     best, median = min(times), statistics.median(times)
+    cpu = statistics.median(t.collector_cpu for t in timings)
+    others = statistics.median(t.other_cores for t in timings)
     print()
     print(f"compare over {count:,} spans ({requests:,} entry spans in {len(judged)} operations, critical paths of "
           f"{body['baseline']['path_traces']:,} + {body['candidate']['path_traces']:,} traces): "
           f"median {median:.2f} s, best {best:.2f} s  target < {TARGET_SECONDS:.0f} s: "
           f"{'PASS' if median < TARGET_SECONDS else 'ABOVE TARGET'}")
+    busy = "  (busy machine: figures are high)" if others >= 0.2 else ""
+    print(f"collector CPU per compare: median {cpu:.2f} s (one thread); other processes kept a median "
+          f"{others:.2f} of the machine's {os.cpu_count()} cores busy{busy}")
     print(f"reference, same blocks: read + protobuf parse only {parse_seconds:.2f} s; "
           f"decode_spans of every span {decode_seconds:.2f} s")
     print(f"verdict on the 30 % slower forward pass: {body['verdict']} (exit {body['exit_code']}): "
