@@ -135,13 +135,11 @@ class SpanScan:
 
     def settle(self) -> None:
         """Keep the sample bounded: called between blocks."""
-        if self.max_traces is not None and len(self._kept) > self.max_traces + self.max_traces // 4:
-            keys = sorted(key for _, key in self._kept.values())
-            self._limit = keys[self.max_traces - 1]
+        if self.max_traces is None:
+            self.truncated = self._kept_spans >= self.max_spans
+        elif len(self._kept) > self.max_traces + self.max_traces // 4:
+            self._limit = sorted(key for _, key in self._kept.values())[self.max_traces - 1]
             self._kept = {tid: held for tid, held in self._kept.items() if held[1] <= self._limit}
-            self._kept_spans = sum(len(spans) for spans, _ in self._kept.values())
-        elif self.max_traces is None and self._kept_spans >= self.max_spans:
-            self.truncated = True
 
     def finish(self) -> None:
         """Cut the sample to exactly max_traces (call once, after the last block)."""
