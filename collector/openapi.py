@@ -146,8 +146,12 @@ _DELTA = {"type": "object", "description": "candidate minus baseline per quantil
                                         "relative": _nullable("number"), "relative_ci": _nullable("array")})}
 _STAGE = {"kind": {"enum": ["span", "network"]}, "service": {"type": "string"}, "name": {"type": "string"},
           "peer_service": _nullable("string"), "label": {"type": "string"}}
-_SIDE = _obj({"selector": {"type": "string"}, "since": TIME, "until": TIME, "requests": {"type": "integer"},
-              "path_traces": {"type": "integer"}}, required=["selector", "requests"])
+_SIDE = _obj({"selector": {"type": "string"}, "since": TIME, "until": TIME,
+              "spans": {"type": "integer", "description": "spans of the selection read"},
+              "operations": {"type": "integer"},
+              "path_traces": {"type": "integer", "description": "traces whose critical paths were walked"},
+              "path_sampled": {"type": "boolean", "description": "true when those traces are a sample"}},
+             required=["selector", "operations", "path_traces"])
 _SELECTOR = ("KEY=VALUE (resource attribute), a service.version value, or SINCE..UNTIL "
              "(RFC 3339 or unix seconds)")
 _SHARE = _obj({"ms": {"type": "number"}, "share": {"type": "number"}})
