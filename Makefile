@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.detection
 	$(BIN)/python -m benchmarks.agent_overhead
 	$(BIN)/python -m benchmarks.retention
+	$(BIN)/python -m benchmarks.compare
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -81,6 +81,9 @@ def make_api(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[], 
     r.add_get("/api/v1/metrics", get_metrics)
     r.add_get("/api/v1/spikes", get_spikes)
     r.add_get("/api/v1/spikes/{spike_id}", get_spike)
+    from collector.analysis_api import add_analysis_routes  # here: it builds on this module's helpers
+
+    add_analysis_routes(app)
     return app
 
 

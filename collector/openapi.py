@@ -120,9 +120,10 @@ def openapi_document() -> dict[str, Any]:
                                               "503": {"description": "not ready"}}}},
             "/metrics": {"get": {"summary": "Prometheus text exposition of the collector's own metrics",
                                  "responses": {"200": {"description": "metrics"}}}},
+            **ANALYSIS_PATHS,
         },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": {**SCHEMAS, **ANALYSIS_SCHEMAS},
             "responses": {
                 "BadRequest": {"description": "invalid parameter",
                                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
@@ -133,3 +134,95 @@ def openapi_document() -> dict[str, Any]:
                                            "description": "required when collector.api_token is set"}},
         },
     }
+
+
+# --- the regression gate and the serving analyses (collector/analysis_api.py) ------------------
+
+_MS = {"type": ["number", "null"], "description": "milliseconds"}
+_QUANTILES = _obj({"count": {"type": "integer"}, "p50_ms": _MS, "p95_ms": _MS, "p99_ms": _MS})
+_DELTA = {"type": "object", "description": "candidate minus baseline per quantile (p50, p95, p99), with the "
+          "bootstrap interval, in ms and relative (ratio - 1; null when the baseline is 0)",
+          "additionalProperties": _obj({"ms": {"type": "number"}, "ms_ci": {"type": "array"},
+                                        "relative": _nullable("number"), "relative_ci": _nullable("array")})}
+_STAGE = {"kind": {"enum": ["span", "network"]}, "service": {"type": "string"}, "name": {"type": "string"},
+          "peer_service": _nullable("string"), "label": {"type": "string"}}
+_SIDE = _obj({"selector": {"type": "string"}, "since": TIME, "until": TIME,
+              "spans": {"type": "integer", "description": "spans of the selection read"},
+              "operations": {"type": "integer"},
+              "path_traces": {"type": "integer", "description": "traces whose critical paths were walked"},
+              "path_sampled": {"type": "boolean", "description": "true when those traces are a sample"}},
+             required=["selector", "operations", "path_traces"])
+_SELECTOR = ("KEY=VALUE (resource attribute), a service.version value, or SINCE..UNTIL "
+             "(RFC 3339 or unix seconds)")
+_SHARE = _obj({"ms": {"type": "number"}, "share": {"type": "number"}})
+
+ANALYSIS_SCHEMAS: dict[str, Any] = {
+    "Comparison": _obj({
+        "verdict": {"enum": ["ok", "regression", "insufficient"]},
+        "exit_code": {"enum": [0, 1, 2], "description": "what spikehound compare exits with"},
+        "message": {"type": "string"}, "max_regression": {"type": "number"}, "min_requests": {"type": "integer"},
+        "confidence": {"type": "number"}, "seed": {"type": "integer"}, "baseline": _SIDE, "candidate": _SIDE,
+        "operations": {"type": "array", "items": _obj({
+            "service": {"type": "string"}, "operation": {"type": "string"}, "judged": {"type": "boolean"},
+            "reason": _nullable("string"), "regression": {"type": "boolean"}, "baseline": _QUANTILES,
+            "candidate": _QUANTILES, "delta": _DELTA,
+            "grew": {"type": ["object", "null"], "description": "the critical-path stage whose p99 grew most"},
+            "stages": {"type": "array", "items": _obj({**_STAGE, "baseline": _QUANTILES, "candidate": _QUANTILES,
+                                                        "delta": _DELTA})}})}}),
+    "Profile": {"type": "object", "description": "one selection's latency profile: what spikehound baseline "
+                "save writes and compare --baseline-file reads", "required": ["format", "operations"],
+                "properties": {"format": {"const": "spikehound-profile/1"}, "operations": {"type": "array"}}},
+    "Batching": _obj({
+        "service": {"type": "string"}, "attribute": {"type": "string"}, "p99_target_ms": _nullable("number"),
+        "recommended": _nullable("string"), "reference": _nullable("string"),
+        "throughput_gain": _nullable("number"), "message": {"type": "string"},
+        "requests_without_attribute": {"type": "integer"},
+        "groups": {"type": "array", "items": _obj({
+            "batch": {"type": "string"}, "size": _nullable("number"), "count": {"type": "integer"},
+            "p50_ms": {"type": "number"}, "p95_ms": {"type": "number"}, "p99_ms": {"type": "number"},
+            "p99_ci_ms": {"type": "array"}, "throughput_rps": _nullable("number"),
+            "active_seconds": {"type": "number"}, "hosts": {"type": "array", "items": {"type": "string"}},
+            "gpu_utilization": _nullable("number"), "gpu_samples": {"type": "integer"},
+            "enough_data": {"type": "boolean"}})}},
+        required=["service", "attribute", "groups", "recommended", "message"]),
+    "Pipeline": _obj({"service": {"type": "string"}, "operations": {"type": "array", "items": _obj({
+        "service": {"type": "string"}, "operation": {"type": "string"}, "requests": {"type": "integer"},
+        "median": {"type": "object"}, "p99": {"type": "object"}, "headline": {"type": "string"},
+        "stages": {"type": "array", "items": _obj({**_STAGE, "median": _SHARE, "p99": _SHARE})},
+        "services": {"type": "array", "items": _obj({"service": {"type": "string"}, "median": _SHARE,
+                                                      "p99": _SHARE})}})}},
+        required=["service", "operations"]),
+}
+
+ANALYSIS_PATHS: dict[str, Any] = {
+    "/api/v1/compare": {"get": {
+        "summary": "Regression gate: baseline against candidate per operation and critical-path stage",
+        "parameters": [_query("baseline", _SELECTOR, True), _query("candidate", _SELECTOR, True), SINCE, UNTIL,
+                       _query("service", "judge only this service"), _query("operation", "judge only this operation"),
+                       _query("max_regression", "allowed p99 growth: 0.05 or 5% (default)"),
+                       _query("min_requests", "requests per side before an operation is judged (default 100)"),
+                       _query("confidence", "of the bootstrap intervals (default 0.95)"),
+                       _query("replicates", "bootstrap replicates (default 2000)"),
+                       _query("seed", "of the bootstrap draws (default 0)"),
+                       _query("max_traces", "traces per side whose critical paths are walked (default 20000)")],
+        "responses": _ok("Comparison", "the comparison; exit_code is what spikehound compare exits with")}},
+    "/api/v1/profile": {"get": {
+        "summary": "The latency profile of one selection (a saved baseline)",
+        "parameters": [_query("select", _SELECTOR, True), SINCE, UNTIL,
+                       _query("max_traces", "traces whose critical paths are walked (default 20000)")],
+        "responses": _ok("Profile", "the profile")}},
+    "/api/v1/analyze/batching": {"get": {
+        "summary": "Latency, throughput and GPU utilization per batch size, and the sweet spot for a p99 target",
+        "parameters": [_query("service", "service name", True),
+                       _query("attribute", "batch-size span attribute (default batch.size)"),
+                       _query("p99_target", "p99 target in ms (or with unit: 50ms, 0.05s)"),
+                       _query("select", "only these requests: " + _SELECTOR), SINCE, UNTIL,
+                       _query("min_requests", "requests a batch size needs to be judged (default 100)")],
+        "responses": _ok("Batching", "per batch size, smallest first")}},
+    "/api/v1/analyze/pipeline": {"get": {
+        "summary": "Share of critical-path time by stage, for median and for p99 requests",
+        "parameters": [_query("service", "service name", True), _query("operation", "only this operation"),
+                       _query("select", "only these requests: " + _SELECTOR), SINCE, UNTIL,
+                       _query("max_traces", "traces whose critical paths are walked (default 20000)")],
+        "responses": _ok("Pipeline", "one breakdown per operation, busiest first")}},
+}

@@ -183,6 +183,187 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, keep=args.keep, rate=args.rate)
 
 
+# --- regression gate and serving analysis (compare, baseline, analyze) ---------------------------
+
+EXIT_CANNOT_RUN = 3  # compare: 0 ok, 1 regression, 2 too little data; 3 when it could not ask or read
+
+
+def _times(args: argparse.Namespace) -> dict[str, str | None]:
+    """--since/--until with ``now`` and ``30m``-style durations resolved here, where the clock is."""
+    import time
+
+    from spikehound.analysis_report import relative_time
+
+    now = time.time_ns()
+    return {name: relative_time(getattr(args, name), now) if getattr(args, name) else None
+            for name in ("since", "until")}
+
+
+def _selector(text: str | None) -> str | None:
+    """A ``SINCE..UNTIL`` selection may use ``now`` and durations too."""
+    import time
+
+    from spikehound.analysis_report import relative_time
+
+    if text is None or ".." not in text or "=" in text:
+        return text
+    now = time.time_ns()
+    return "..".join(relative_time(part, now) for part in text.split("..", 1))
+
+
+def _print_report(args: argparse.Namespace, report: dict[str, Any], lines: Sequence[str]) -> None:
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(lines))
+
+
+def _cannot_run(command: str, exc: Exception) -> int:
+    if isinstance(exc, urllib.error.HTTPError):
+        detail = exc.read().decode(errors="replace")[:300]
+        print(f"spikehound {command}: {exc.url} answered {exc.code}: {detail}", file=sys.stderr)
+    elif isinstance(exc, urllib.error.URLError):
+        print(f"spikehound {command}: cannot reach the collector API: {exc.reason}", file=sys.stderr)
+    else:
+        print(f"spikehound {command}: {exc}", file=sys.stderr)
+    return EXIT_CANNOT_RUN
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from detectors.compare import CompareOptions, compare, comparison_report
+    from detectors.profile import Profile
+    from spikehound.analysis_report import comparison_lines
+
+    if (args.baseline is None) == (args.baseline_file is None) or args.candidate is None:
+        return _cannot_run("compare", ValueError("give --candidate, and --baseline or --baseline-file"))
+    params: dict[str, Any] = {**_times(args), "service": args.service, "operation": args.operation}
+    try:
+        if args.baseline_file is None:
+            report = _api_get(args.api, "/api/v1/compare", {
+                **params, "baseline": _selector(args.baseline), "candidate": _selector(args.candidate),
+                "max_regression": args.max_regression, "min_requests": str(args.min_requests),
+                "confidence": str(args.confidence), "seed": str(args.seed)})
+        else:
+            with open(args.baseline_file, "rb") as f:
+                baseline = Profile.from_json(json.load(f))
+            candidate = Profile.from_json(_api_get(args.api, "/api/v1/profile", {
+                "select": _selector(args.candidate), **_times(args)}))
+            options = CompareOptions(max_regression=_fraction(args.max_regression), min_requests=args.min_requests,
+                                     confidence=args.confidence, seed=args.seed, service=args.service,
+                                     operation=args.operation)
+            report = comparison_report(compare(baseline, candidate, options), baseline, candidate)
+    except (OSError, ValueError) as exc:  # urllib's errors are OSErrors; a bad file is a ValueError
+        return _cannot_run("compare", exc)
+    _print_report(args, report, comparison_lines(report))
+    return int(report["exit_code"])
+
+
+def _fraction(text: str) -> float:
+    """``5%`` or ``0.05``."""
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 <= value <= 10:
+        raise ValueError(f"--max-regression {text}: give a fraction such as 0.05 or a percentage such as 5%")
+    return value
+
+
+def cmd_baseline_save(args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime
+
+    try:
+        profile = _api_get(args.api, "/api/v1/profile", {"select": _selector(args.select), **_times(args)})
+        profile["saved_at"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        text = json.dumps(profile, separators=(",", ":"))
+        if args.output == "-":
+            print(text)
+        else:
+            with open(args.output, "w") as f:
+                f.write(text + "\n")
+    except (OSError, ValueError) as exc:
+        return _cannot_run("baseline save", exc)
+    requests = sum(op["latency_ns"]["n"] for op in profile["operations"])
+    if args.output != "-":
+        print(f"saved the baseline of {profile['selector']} ({requests:,} requests in "
+              f"{len(profile['operations'])} operations) to {args.output}", file=sys.stderr)
+    return 0 if requests else 2
+
+
+def cmd_analyze_batching(args: argparse.Namespace) -> int:
+    from spikehound.analysis_report import batching_lines
+
+    report = _api_get(args.api, "/api/v1/analyze/batching", {
+        "service": args.service, "attribute": args.attribute, "p99_target": args.p99_target,
+        "select": _selector(args.select), "min_requests": str(args.min_requests), **_times(args)})
+    _print_report(args, report, batching_lines(report))
+    return 0
+
+
+def cmd_analyze_pipeline(args: argparse.Namespace) -> int:
+    from spikehound.analysis_report import pipeline_lines
+
+    report = _api_get(args.api, "/api/v1/analyze/pipeline", {
+        "service": args.service, "operation": args.operation, "select": _selector(args.select), **_times(args)})
+    _print_report(args, report, pipeline_lines(report))
+    return 0
+
+
+_SELECTION_HELP = "KEY=VALUE (resource attribute), a service.version value, or SINCE..UNTIL"
+
+
+def _add_analysis_flags(p: argparse.ArgumentParser, *, output: bool = True) -> None:
+    p.add_argument("--api", default=os.environ.get("SPIKEHOUND_API_URL", DEFAULT_API_URL),
+                   help=f"collector API URL (default $SPIKEHOUND_API_URL or {DEFAULT_API_URL}); "
+                        "$SPIKEHOUND_COLLECTOR_API_TOKEN is sent as the bearer token")
+    p.add_argument("--since", help="start of the range for attribute selections: RFC 3339, unix seconds, or a "
+                                   "duration before now (30m, 2h, 7d); default one hour before --until")
+    p.add_argument("--until", help="end of that range (same forms, or now); default now")
+    if output:
+        p.add_argument("--format", choices=["table", "json"], default="table", help="output (default table)")
+
+
+def add_analysis_commands(sub: Any) -> None:
+    p = sub.add_parser("compare", help="regression gate: compare a candidate's latency with a baseline "
+                                       "(exit 1 on a p99 regression)",
+                       description="Exit status: 0 no p99 regression beyond --max-regression, 1 a regression the "
+                                   "data support (the message names the operation and the span that grew), 2 too "
+                                   "little data to judge, 3 the comparison could not run.")
+    p.add_argument("--baseline", metavar="SELECTION", help=_SELECTION_HELP)
+    p.add_argument("--baseline-file", metavar="FILE", help="a baseline saved by spikehound baseline save")
+    p.add_argument("--candidate", metavar="SELECTION", help=_SELECTION_HELP + " (required)")
+    p.add_argument("--service", help="judge only this service's operations")
+    p.add_argument("--operation", help="judge only this operation")
+    p.add_argument("--max-regression", default="5%", help="allowed p99 growth: 5%% (default) or 0.05")
+    p.add_argument("--min-requests", type=int, default=100, help="requests per side to judge an operation (100)")
+    p.add_argument("--confidence", type=float, default=0.95, help="of the bootstrap intervals (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="of the bootstrap draws (default 0: reproducible)")
+    _add_analysis_flags(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("baseline", help="save a latency baseline for compare --baseline-file")
+    actions = p.add_subparsers(dest="baseline_command", required=True, metavar="ACTION")
+    save = actions.add_parser("save", help="save the latency profile of a selection to a file")
+    save.add_argument("--select", metavar="SELECTION", required=True, help=_SELECTION_HELP)
+    save.add_argument("-o", "--output", metavar="FILE", required=True, help="file to write (- for stdout)")
+    _add_analysis_flags(save, output=False)
+    save.set_defaults(func=cmd_baseline_save)
+
+    p = sub.add_parser("analyze", help="serving analyses: batch-size sweet spot, where the time goes")
+    kinds = p.add_subparsers(dest="analyze_command", required=True, metavar="ANALYSIS")
+    batching = kinds.add_parser("batching", help="latency, throughput and GPU utilization per batch size")
+    batching.add_argument("--service", required=True, help="the model server's service name")
+    batching.add_argument("--attribute", default="batch.size", help="batch-size span attribute (batch.size)")
+    batching.add_argument("--p99-target", metavar="MS", help="p99 target in ms (or 50ms, 0.05s) for the advice")
+    batching.add_argument("--select", metavar="SELECTION", help="only these requests: " + _SELECTION_HELP)
+    batching.add_argument("--min-requests", type=int, default=100, help="requests a batch size needs (100)")
+    _add_analysis_flags(batching)
+    batching.set_defaults(func=cmd_analyze_batching)
+    pipeline = kinds.add_parser("pipeline", help="share of critical-path time by stage, median vs p99 requests")
+    pipeline.add_argument("--service", required=True, help="service whose requests to break down")
+    pipeline.add_argument("--operation", help="only this operation (default: each, busiest first)")
+    pipeline.add_argument("--select", metavar="SELECTION", help="only these requests: " + _SELECTION_HELP)
+    _add_analysis_flags(pipeline)
+    pipeline.set_defaults(func=cmd_analyze_pipeline)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spikehound", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"spikehound {__version__}")
@@ -242,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=40.0, help="requests per second (default 40)")
     p.add_argument("--keep", action="store_true", help="keep the collector running at the end")
     p.set_defaults(func=cmd_demo)
+    add_analysis_commands(sub)
     return parser
 
 

@@ -53,7 +53,7 @@ def _get(api: str, path: str, **params: Any) -> Any:
 class InferenceStack:
     """gateway -> preprocess (+ feature lookup) -> model-server -> postprocess, traced with the OTel SDK."""
 
-    def __init__(self, otlp_endpoint: str, feature_db: Path, seed: int = 7) -> None:
+    def __init__(self, otlp_endpoint: str, feature_db: Path, seed: int = 7, version: str = "demo-1") -> None:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -63,7 +63,7 @@ class InferenceStack:
         self.tracers = {}
         for service, host in SERVICES.items():
             provider = TracerProvider(resource=Resource.create(
-                {"service.name": service, "host.name": host, "service.version": "demo-1"}))
+                {"service.name": service, "host.name": host, "service.version": version}))
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True),
                                                            schedule_delay_millis=500))
             self.providers.append(provider)

@@ -6,7 +6,8 @@ JSON. They are synchronous (the collector runs them in a thread pool).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,29 @@ class Reader:
                       exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)),
                       detected_unix_nano=r.detected_ns)
                 for r in rows]
+
+    def span_payloads(self, since_ns: int, until_ns: int, *, max_block_seconds: int = 3600) -> Iterator[bytes]:
+        """Every stored span block that may hold a span ending in [since, until), each stored block once.
+
+        For compare and the serving analyses, which read whole time ranges, however long ago. The
+        event-time index on the blocks' latest end bounds the read to the range (plus
+        ``max_block_seconds``: a block whose spans ended more than that after the range's end, yet also
+        inside it, is not read); the blocks' own time range does the rest. A block stored twice (a
+        retried export) is served once. Rows stream (a server-side cursor on PostgreSQL).
+        """
+        b = schema.span_blocks
+        query = select(b.c.payload, b.c.start_ns, b.c.end_ns).where(
+            b.c.end_ns >= since_ns, b.c.end_ns < until_ns + max_block_seconds * 1_000_000_000,
+            b.c.start_ns < until_ns)
+        seen: set[tuple[int, int, int, int]] = set()
+        with self.engine.connect() as conn:
+            for payload, start_ns, end_ns in conn.execution_options(stream_results=True, yield_per=64
+                                                                    ).execute(query):
+                data = bytes(payload)
+                digest = (len(data), zlib.crc32(data), start_ns, end_ns)
+                if digest not in seen:
+                    seen.add(digest)
+                    yield data
 
 
 def count_rows(engine: Engine, table: str) -> int:

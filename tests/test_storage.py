@@ -683,6 +683,9 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
                      ["SEARCH trace_blocks", "(trace_id=?)", "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
     "dependencies": (lambda r: [trace_search.dependencies(r.engine, T0, T0 + 3600 * S)],  # [] is an answer too
                      ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>?)"]),
+    # compare and the serving analyses: the blocks of an event-time range, however long ago.
+    "span blocks of a time range": (lambda r: list(r.span_payloads(T0, T0 + 3600 * S)),
+                                    ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>? AND end_ns<?)"]),
 }
 FULL_SCAN = re.compile(rf"\bSCAN ({'|'.join(BIG_TABLES)})\b(?! USING (COVERING )?INDEX)")
 
