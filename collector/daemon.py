@@ -15,6 +15,8 @@ import sys
 import grpc
 from aiohttp import web
 
+from collector.alerts.alerting import Alerting, public_url
+from collector.alerts.api import add_alert_routes
 from collector.api import make_api
 from collector.ingest import Ingest
 from collector.ingest_queue import IngestQueue
@@ -50,6 +52,7 @@ class Collector:
         self._pipeline_task: asyncio.Task[None] | None = None
         self._failed: asyncio.Future[None] | None = None
         self._listening = False
+        self.alerting: Alerting | None = None
 
     async def start(self) -> None:
         cfg, c = self.cfg, self.cfg.collector
@@ -68,6 +71,9 @@ class Collector:
         self.telemetry.queue_capacity.set(c.queue_capacity)
         self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
         await self._pipeline.restore()
+        self.alerting = Alerting(cfg, engine, self.telemetry.registry, run_on_writer=self._pipeline.on_writer)
+        await self.alerting.restore(Reader(engine))
+        self._pipeline.spike_listeners.append(self.alerting.observe)
         self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
         self._pipeline_task.add_done_callback(self._watch)
         ingest = Ingest(queue, self.telemetry, c.retry_after_seconds)
@@ -76,6 +82,7 @@ class Collector:
                         "reaches them can send data")
         try:
             api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token)
+            add_alert_routes(api, self.alerting)
             runner, self.api_port = await start_http(api, c.api, "API")
             self._runners.append(runner)
             self._grpc, self.grpc_port = await start_grpc(ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes)
@@ -85,6 +92,7 @@ class Collector:
         except BaseException:
             await self.stop()
             raise
+        self.alerting.start(public_url(cfg, self.api_port))
         self._listening = True
 
     def _watch(self, task: asyncio.Task[None]) -> None:
@@ -119,6 +127,8 @@ class Collector:
             self._pipeline.stop()
             if not self._pipeline_task.done():
                 await self._pipeline_task
+            if self.alerting is not None:  # after the last spikes were written, before the writer thread ends
+                await self.alerting.stop()
             self._pipeline.close()
         if self._runners:
             await self._runners[0].cleanup()
