@@ -341,3 +341,23 @@ def test_silences_are_created_listed_and_ended(db_url):
             "expired"]
         assert requests.delete(f"{api}/nope", timeout=5).status_code == 404
         assert requests.get(f"{api}/{silence['id']}", timeout=5).json()["comment"] == "GPU swap"
+
+
+def test_a_flapping_spike_does_not_make_a_storm(tmp_path, hook):
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                 [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}],
+                 route={"resolve_wait_seconds": 3})
+    with CollectorThread(cfg) as running:
+        # Six spikes on one stream for one reason, each ending and the next opening a moment later (the
+        # detector gives each a new id, as it does when a stream flaps around its threshold).
+        for n in range(6):
+            s = spike(n)
+            observe(running, s)
+            time.sleep(0.2)
+            observe(running, ended(s))
+            time.sleep(0.2)
+        hook.wait_events(2)
+        time.sleep(1)
+        rows = outbox(running)
+    assert [e.json["status"] for e in hook.events.values()] == ["firing", "resolved"]
+    assert len(hook.requests) == 2 and len(rows) == 2
