@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest
 	$(BIN)/python -m benchmarks.detection
 	$(BIN)/python -m benchmarks.agent_overhead
+	$(BIN)/python -m benchmarks.alert_latency
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
