@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.agent_overhead
 	$(BIN)/python -m benchmarks.retention
 	$(BIN)/python -m benchmarks.compare
+	$(BIN)/python -m benchmarks.alert_latency
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -16,6 +16,8 @@ import sys
 import grpc
 from aiohttp import web
 
+from collector.alerts.alerting import Alerting, public_url
+from collector.alerts.api import add_alert_routes
 from collector.api import make_api
 from collector.exported_metrics import install_exported_metrics
 from collector.ingest import Ingest
@@ -27,7 +29,7 @@ from collector.pipeline import IngestPipeline
 from collector.telemetry import CollectorTelemetry
 from spikehound.config import Config, redact_url
 from spikehound.lifecycle import start_http
-from spikehound.live_config import COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
+from spikehound.live_config import ALERT_KEYS, COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.reader import Reader
@@ -55,6 +57,7 @@ class Collector:
         self._failed: asyncio.Future[None] | None = None
         self._listening = False
         self._reload_tasks: set[asyncio.Task[object]] = set()
+        self.alerting: Alerting | None = None
 
     async def start(self) -> None:
         cfg, c = self.cfg, self.cfg.collector
@@ -74,6 +77,9 @@ class Collector:
         self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
         await self._pipeline.restore()
         install_exported_metrics(cfg, self._pipeline, self.telemetry, Reader(engine))
+        self.alerting = Alerting(cfg, engine, self.telemetry.registry, run_on_writer=self._pipeline.on_writer)
+        await self.alerting.restore(Reader(engine))
+        self._pipeline.spike_listeners.append(self.alerting.observe)
         self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
         self._pipeline_task.add_done_callback(self._watch)
         ingest = Ingest(queue, self.telemetry, c.retry_after_seconds)
@@ -83,6 +89,7 @@ class Collector:
         try:
             api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token)
             add_jaeger_api(api)
+            add_alert_routes(api, self.alerting)
             runner, self.api_port = await start_http(api, c.api, "API")
             self._runners.append(runner)
             self._grpc, self.grpc_port = await start_grpc(ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes)
@@ -92,6 +99,7 @@ class Collector:
         except BaseException:
             await self.stop()
             raise
+        self.alerting.start(public_url(cfg, self.api_port))
         self._listening = True
 
     def _watch(self, task: asyncio.Task[None]) -> None:
@@ -116,10 +124,12 @@ class Collector:
         return True, "ok"
 
     async def reload(self, cfg: Config) -> None:
-        """SIGHUP: log settings and retention caps change at once (changed caps run retention now); any other
-        change waits for a restart. Alert routes do not exist yet; when they do, they are re-read here too."""
+        """SIGHUP: log settings, retention caps and alert receivers and routes change at once (changed caps run
+        retention now); any other change waits for a restart."""
         change = apply_live(self.cfg, cfg, COLLECTOR_LIVE_KEYS, ignore_sections={"agent"})
         change.report(log)
+        if self.alerting is not None and ALERT_KEYS.intersection(change.applied):
+            self.alerting.reload(self.cfg)
         if self._pipeline is not None and RETENTION_KEYS.intersection(change.applied):
             task = asyncio.create_task(self._pipeline.run_retention(), name="retention-after-reload")
             self._reload_tasks.add(task)
@@ -140,6 +150,8 @@ class Collector:
             self._pipeline.stop()
             if not self._pipeline_task.done():
                 await self._pipeline_task
+            if self.alerting is not None:  # after the last spikes were written, before the writer thread ends
+                await self.alerting.stop()
             self._pipeline.close()
         if self._runners:
             await self._runners[0].cleanup()

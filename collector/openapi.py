@@ -79,6 +79,15 @@ SCHEMAS: dict[str, Any] = {
 
 @cache
 def openapi_document() -> dict[str, Any]:
+    doc = _core_document()
+    from collector.alerts.api import OPENAPI_PATHS, OPENAPI_SCHEMAS  # imports this module: not at the top
+
+    doc["paths"].update(OPENAPI_PATHS)
+    doc["components"]["schemas"] = {**doc["components"]["schemas"], **OPENAPI_SCHEMAS}
+    return doc
+
+
+def _core_document() -> dict[str, Any]:
     not_found = {"404": {"$ref": "#/components/responses/NotFound"}}
     return {
         "openapi": "3.1.0",

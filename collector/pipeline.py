@@ -237,6 +237,10 @@ class IngestPipeline:
         # The detection engine is only ever touched from the writer thread, so it needs no lock.
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def on_writer(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the writer thread between two commits: SQLite's one writer (alerts use it)."""
+        return await self._on_writer(fn, *args)
+
     async def _write(self, batch: WriteBatch) -> Detection:
         """Commit ``batch``; return what the detectors made of it."""
         started = time.perf_counter()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import math
 import os
 import re
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -197,6 +199,79 @@ class DetectionConfig:
 
 
 @dataclass(slots=True)
+class ReceiverConfig:
+    """One place alerts go (``[[alerts.receivers]]``): a Slack incoming webhook or a generic webhook."""
+
+    # Routes name receivers by this.
+    name: str = ""
+    # slack: Block Kit message to an incoming webhook; webhook: Alertmanager (version 4) JSON, signed.
+    type: Literal["slack", "webhook"] = "webhook"
+    # Where a webhook is POSTed; shown by check-config (a password in it is hidden).
+    url: str = ""
+    # A URL that is itself the credential (a Slack incoming webhook): never shown, never logged.
+    url_secret: str = ""
+    # HMAC-SHA256 key of the X-Spikehound-Signature header; required for webhooks beyond loopback.
+    signing_secret: str = ""
+    # Optional Authorization: Bearer token sent with each webhook.
+    bearer_token: str = ""
+    # Seconds one delivery attempt may take.
+    timeout_seconds: float = 10.0
+
+
+@dataclass(slots=True)
+class RouteConfig:
+    """Which spikes go to a receiver, and how often (``[[alerts.routes]]``, tried in order)."""
+
+    receiver: str = ""
+    # Names the route's groups; defaults to the receiver's name.
+    name: str = ""
+    # Shell-style patterns (``model-*``); a spike matches when each non-empty list has a match.
+    services: list[str] = field(default_factory=list)
+    operations: list[str] = field(default_factory=list)
+    # One of the spike's causes must have one of these kinds (span, service, network, resource) ...
+    cause_kinds: list[str] = field(default_factory=list)
+    # ... and, when given, one of these resources (metric names such as hw.gpu.utilization) ...
+    cause_resources: list[str] = field(default_factory=list)
+    # ... and at least this score (share of the added latency it explains).
+    min_cause_score: float = 0.0
+    # Minimum severity: the spike's p99 over its baseline.
+    min_ratio: float = 1.0
+    # Minimum duration: a spike is announced once it has lasted this long.
+    min_duration_seconds: float = 0.0
+    # Wait this long after a group starts firing before its first notification (gathers more spikes).
+    group_wait_seconds: float = 0.0
+    # Least time between notifications of a group whose spikes changed.
+    group_interval_seconds: float = 300.0
+    # A group still firing is announced again after this long.
+    repeat_interval_seconds: float = 14400.0
+    # Hold a resolve notice this long: a spike that comes back within it continues the alert (no storm).
+    resolve_wait_seconds: float = 60.0
+    # Most notifications of this route in any rolling hour; the rest wait and are merged.
+    max_per_hour: int = 60
+    # Send a notice when the group's spikes have ended.
+    send_resolved: bool = True
+    # Keep trying the routes after this one when it matched.
+    continue_matching: bool = False
+
+
+@dataclass(slots=True)
+class AlertsConfig:
+    """Alerts: receivers, routes and delivery; see docs/alerts.md."""
+
+    # false: spikes are still detected and stored, but nothing is sent.
+    enabled: bool = True
+    receivers: list[ReceiverConfig] = field(default_factory=list)
+    routes: list[RouteConfig] = field(default_factory=list)
+    # Attempts before a notification is dead-lettered (visible at /api/v1/alerts/outbox?state=dead).
+    max_attempts: int = 10
+    # First retry delay; doubled per attempt (with jitter) up to backoff_max_seconds.
+    backoff_initial_seconds: float = 1.0
+    backoff_max_seconds: float = 300.0
+    # Delivered notifications are kept this long in the outbox, then deleted.
+    delivered_retention_hours: float = 168.0
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["plain", "json"] = "plain"
@@ -214,6 +289,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     detection: DetectionConfig = field(default_factory=DetectionConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     @property
     def database_url(self) -> str:
@@ -242,6 +318,7 @@ def load(path: str | os.PathLike[str] | None = None, *, env: typing.Mapping[str,
         if value is not None:
             source = (flag_names or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
             sources[key] = _assign(cfg, key, value, source)
+    _resolve_secret_references(cfg, env, sources)
     _check(cfg, sources)
     return cfg
 
@@ -287,6 +364,8 @@ def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
 
 
 def _coerce(raw: Any, hint: Any) -> Any:
+    if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        return _tables(raw, typing.get_args(hint)[0])
     if typing.get_origin(hint) is list:
         items = [x.strip() for x in raw.split(",") if x.strip()] if isinstance(raw, str) else raw
         if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
@@ -337,6 +416,30 @@ def _coerce(raw: Any, hint: Any) -> Any:
     raise TypeError(f"unsupported setting type {hint!r}")  # pragma: no cover - a programming error
 
 
+def _tables(raw: Any, cls: Any) -> list[Any]:
+    """A TOML array of tables (``[[alerts.routes]]``), or the same as a JSON array (environment variables)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ValueError("expected a JSON array of tables") from None
+    if not isinstance(raw, list) or not all(isinstance(x, dict) for x in raw):
+        raise ValueError("expected a list of tables")
+    hints = typing.get_type_hints(cls)
+    out = []
+    for number, table in enumerate(raw, 1):
+        item = cls()
+        for key, value in table.items():
+            if key not in hints:
+                raise ValueError(f"entry {number}: {key}: unknown setting")
+            try:
+                setattr(item, key, _coerce(value, hints[key]))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"entry {number}: {key}: {exc}") from None
+        out.append(item)
+    return out
+
+
 def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
     def named(key: str) -> str:
         return f"{key} (from {sources[key]})" if key in sources else key
@@ -378,6 +481,90 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
     if not url.startswith(("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")):
         raise ConfigError(f"{named('storage.url')}: expected a sqlite:// or postgresql:// URL, "
                           f"got {redact_url(url)!r}")
+    _check_alerts(cfg.alerts, named)
+
+
+def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:
+    """Receivers and routes that can work: unique names, reachable URLs, signed webhooks beyond loopback."""
+    for key, value in {"alerts.max_attempts": a.max_attempts,
+                       "alerts.backoff_initial_seconds": a.backoff_initial_seconds,
+                       "alerts.backoff_max_seconds": a.backoff_max_seconds,
+                       "alerts.delivered_retention_hours": a.delivered_retention_hours}.items():
+        if value <= 0:
+            raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
+    names: set[str] = set()
+    for number, r in enumerate(a.receivers, 1):
+        where = f"{named('alerts.receivers')}: entry {number}"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", r.name):
+            raise ConfigError(f"{where}: name must be letters, digits, '_', '.' or '-', got {r.name!r}")
+        if r.name in names:
+            raise ConfigError(f"{where}: the name {r.name!r} is used twice")
+        names.add(r.name)
+        if bool(r.url) == bool(r.url_secret):
+            raise ConfigError(f"{where} ({r.name}): give exactly one of url and url_secret")
+        target = urlsplit(r.url or r.url_secret)
+        if target.scheme not in ("http", "https") or not target.hostname:
+            shown = redact_url(r.url) if r.url else "(url_secret)"
+            raise ConfigError(f"{where} ({r.name}): expected an http:// or https:// URL, got {shown!r}")
+        if r.timeout_seconds <= 0:
+            raise ConfigError(f"{where} ({r.name}): timeout_seconds must be greater than 0")
+        if r.type == "webhook" and not r.signing_secret and not _is_loopback_host(target.hostname):
+            raise ConfigError(f"{where} ({r.name}): a webhook beyond loopback needs signing_secret, so that "
+                              "its receiver can tell spikehound's alerts from forgeries")
+    routes: set[str] = set()
+    for number, route in enumerate(a.routes, 1):
+        where = f"{named('alerts.routes')}: entry {number}"
+        if route.receiver not in names:
+            raise ConfigError(f"{where}: receiver {route.receiver!r} is not one of alerts.receivers "
+                              f"({', '.join(sorted(names)) or 'none configured'})")
+        route.name = route.name or route.receiver
+        if route.name in routes:
+            raise ConfigError(f"{where}: the route name {route.name!r} is used twice (give routes distinct names)")
+        routes.add(route.name)
+        unknown = set(route.cause_kinds) - {"span", "service", "network", "resource"}
+        if unknown:
+            raise ConfigError(f"{where} ({route.name}): cause_kinds {sorted(unknown)} are not span, service, "
+                              "network or resource")
+        for key in ("min_cause_score", "min_duration_seconds", "group_wait_seconds", "group_interval_seconds",
+                    "repeat_interval_seconds", "resolve_wait_seconds"):
+            if getattr(route, key) < 0:
+                raise ConfigError(f"{where} ({route.name}): {key} must not be negative")
+        if route.min_ratio < 1:
+            raise ConfigError(f"{where} ({route.name}): min_ratio is p99 over baseline and must be at least 1")
+        if route.max_per_hour < 1:
+            raise ConfigError(f"{where} ({route.name}): max_per_hour must be at least 1")
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return HostPort(host, 0).is_loopback
+    except ValueError:
+        return False
+
+
+SECRET_REFERENCE_FIELDS = ("url_secret", "signing_secret", "bearer_token")
+
+
+def _resolve_secret_references(cfg: Config, env: typing.Mapping[str, str],
+                               sources: typing.Mapping[str, str]) -> None:
+    """Receiver secrets may be written ``env:NAME`` or ``file:PATH`` (systemd credentials) instead of inline."""
+    src = sources.get("alerts.receivers")
+    where = f"alerts.receivers (from {src})" if src else "alerts.receivers"
+    for number, r in enumerate(cfg.alerts.receivers, 1):
+        for key in SECRET_REFERENCE_FIELDS:
+            value: str = getattr(r, key)
+            if value.startswith("env:"):
+                name = value[4:]
+                if not env.get(name):
+                    raise ConfigError(f"{where}: entry {number}: {key} names the environment variable {name}, "
+                                      "which is not set")
+                setattr(r, key, env[name])
+            elif value.startswith("file:"):
+                try:
+                    setattr(r, key, Path(value[5:]).read_text().strip())
+                except OSError as exc:
+                    raise ConfigError(f"{where}: entry {number}: {key} names the file {value[5:]}: "
+                                      f"{exc.strerror}") from None
 
 
 SECRET_SUFFIXES = ("token", "secret", "password")
@@ -408,6 +595,8 @@ def effective(cfg: Config) -> dict[str, Any]:
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value) and not isinstance(value, HostPort):
                 out[f.name] = render(value)
+            elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+                out[f.name] = [render(item) for item in value]
             elif f.name.endswith(SECRET_SUFFIXES):
                 out[f.name] = "***" if value else ""
             elif isinstance(value, HostPort):
@@ -433,10 +622,17 @@ def to_toml(doc: dict[str, Any]) -> str:
             return "[" + ", ".join(literal(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
+    def is_tables(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
     lines = [f"{k} = {literal(v)}" for k, v in doc.items() if not isinstance(v, dict)]
     for section, values in doc.items():
         if isinstance(values, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {literal(v)}" for k, v in values.items()]
+            lines += ["", f"[{section}]"] + [f"{k} = {literal(v)}" for k, v in values.items() if not is_tables(v)]
+            for key, tables in values.items():  # arrays of tables ([[alerts.routes]]) come after the plain keys
+                if is_tables(tables):
+                    for table in tables:
+                        lines += ["", f"[[{section}.{key}]]"] + [f"{k} = {literal(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
 
 

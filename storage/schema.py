@@ -158,3 +158,44 @@ detector_checkpoints = Table(
     Column("format", Integer, nullable=False),  # bumped when the state layout changes; older ones are ignored
     Column("state", LargeBinary, nullable=False),
 )
+
+# Alerts: the durable outbox of notifications (written in the same transaction as the routing state that made
+# them, so a restart neither loses nor repeats one), the routing state per alert group, and silences.
+alert_outbox = Table(
+    "alert_outbox", metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("idempotency_key", String(64), nullable=False),  # sent as Idempotency-Key; receivers dedupe on it
+    Column("receiver", String(255), nullable=False),
+    Column("route", String(255), nullable=False),
+    Column("group_id", String(64), nullable=False),
+    Column("status", String(16), nullable=False),  # firing | resolved
+    Column("body", LargeBinary, nullable=False),  # the request body, rendered once: every attempt sends the same
+    Column("created_at", BigInteger, nullable=False),  # unix ns, wall clock
+    Column("state", String(16), nullable=False),  # pending | delivered | dead
+    Column("attempts", Integer, nullable=False),
+    Column("next_attempt_at", BigInteger, nullable=False),  # unix ns
+    Column("last_error", Text),
+    Column("delivered_at", BigInteger),  # unix ns
+    UniqueConstraint("idempotency_key", name="uq_alert_outbox_key"),
+    Index("ix_alert_outbox_state_id", "state", "id"),  # the delivery loop's and the API's reads
+)
+
+alert_groups = Table(
+    "alert_groups", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("route", String(255), nullable=False),
+    Column("state", Text, nullable=False),  # JSON: its alerts, what was last sent and when
+    Column("updated_at", BigInteger, nullable=False),  # unix ns, wall clock
+)
+
+silences = Table(
+    "silences", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("matchers", Text, nullable=False),  # JSON: {"service": "gateway", "cause_kind": "resource", ...}
+    Column("comment", Text, nullable=False),
+    Column("created_by", String(255), nullable=False),
+    Column("starts_at", BigInteger, nullable=False),  # unix ns
+    Column("ends_at", BigInteger, nullable=False),  # unix ns; DELETE sets it to now (expired, still listed)
+    Column("created_at", BigInteger, nullable=False),
+    Index("ix_silences_ends_at", "ends_at"),
+)

@@ -12,6 +12,7 @@ import requests
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from collector.alerts.api import add_alert_routes
 from collector.api import make_api
 from spikehound.model import Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
@@ -60,8 +61,10 @@ def test_openapi_documents_every_route(sqlite_collector: CollectorThread):
     doc = requests.get(f"{sqlite_collector.api}/api/v1/openapi.json", timeout=5).json()
     assert doc["openapi"].startswith("3.")
     app = make_api(reader=None, telemetry=sqlite_collector.collector.telemetry, ready=None, token="")  # type: ignore[arg-type]
-    routes = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
-    assert routes - {"/api/v1/openapi.json"} == set(doc["paths"])
+    add_alert_routes(app, sqlite_collector.collector.alerting)
+    routes = {(r.resource.canonical, r.method.lower()) for r in app.router.routes() if r.method != "HEAD"}
+    documented = {(path, method) for path, operations in doc["paths"].items() for method in operations}
+    assert routes - {("/api/v1/openapi.json", "get")} == documented
     for schema in ("Span", "Spike", "Cause"):
         assert schema in doc["components"]["schemas"]
 

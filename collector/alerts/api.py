@@ -1,0 +1,186 @@
+"""The alert endpoints of the REST API: silences, and the outbox with its dead letters.
+
+``POST /api/v1/silences`` takes ``{"matchers": {"service": "gateway", ...},
+"ends_at": "2026-12-01T18:00:00Z" | "duration_seconds": 3600, "comment",
+"created_by"}`` and answers 201 with the silence; ``GET`` lists silences not
+yet expired (``?state=all`` adds the expired ones); ``DELETE
+/api/v1/silences/{id}`` ends one now. ``GET /api/v1/alerts/outbox`` lists
+notifications (``?state=pending|delivered|dead``), ``GET
+/api/v1/alerts/outbox/{id}`` shows one with the body it sends, and ``POST
+/api/v1/alerts/outbox/{id}/retry`` sends a dead-lettered one again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from collector.alerts.alerting import Alerting
+from collector.alerts.silences import FIELDS, Silence
+from collector.api import ApiError, _json, _limit
+from collector.openapi import TIME, _nullable, _obj, _query
+from spikehound.timefmt import rfc3339
+from storage.alerts import OutboxRow
+
+ALERTING = web.AppKey("alerting", Alerting)
+
+
+def add_alert_routes(app: web.Application, alerting: Alerting) -> None:
+    app[ALERTING] = alerting
+    r = app.router
+    r.add_get("/api/v1/silences", list_silences)
+    r.add_post("/api/v1/silences", create_silence)
+    r.add_get("/api/v1/silences/{silence_id}", get_silence)
+    r.add_delete("/api/v1/silences/{silence_id}", delete_silence)
+    r.add_get("/api/v1/alerts/outbox", list_outbox)
+    r.add_get("/api/v1/alerts/outbox/{row_id}", get_outbox)
+    r.add_post("/api/v1/alerts/outbox/{row_id}/retry", retry_outbox)
+
+
+def outbox_json(row: OutboxRow, body: bool = False) -> dict[str, Any]:
+    out = {"id": row.id, "idempotency_key": row.idempotency_key, "receiver": row.receiver, "route": row.route,
+           "group_id": row.group_id, "status": row.status, "state": row.state, "attempts": row.attempts,
+           "created_at": rfc3339(row.created_at),
+           "next_attempt_at": rfc3339(row.next_attempt_at) if row.state == "pending" else None,
+           "delivered_at": rfc3339(row.delivered_at), "last_error": row.last_error}
+    if body:
+        out["body"] = orjson.loads(row.body)
+    return out
+
+
+async def create_silence(request: web.Request) -> web.Response:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "the body is not JSON") from None
+    alerting = request.app[ALERTING]
+    try:
+        silence = await alerting.create_silence(body)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    return _json(silence.to_json(int(alerting.clock() * 1e9)), 201)
+
+
+async def list_silences(request: web.Request) -> web.Response:
+    state = request.query.get("state") or "active"
+    if state not in ("active", "all"):
+        raise ApiError(400, "state must be active (not yet expired, the default) or all")
+    alerting = request.app[ALERTING]
+    now_ns = int(alerting.clock() * 1e9)
+    found = await alerting.silences(include_expired=state == "all")
+    return _json({"silences": [s.to_json(now_ns) for s in found]})
+
+
+async def get_silence(request: web.Request) -> web.Response:
+    alerting = request.app[ALERTING]
+    row = await alerting.store.silence(request.match_info["silence_id"])
+    if row is None:
+        raise ApiError(404, f"silence {request.match_info['silence_id']} not found")
+    return _json(Silence.from_row(row).to_json(int(alerting.clock() * 1e9)))
+
+
+async def delete_silence(request: web.Request) -> web.Response:
+    alerting = request.app[ALERTING]
+    silence = await alerting.expire_silence(request.match_info["silence_id"])
+    if silence is None:
+        raise ApiError(404, f"silence {request.match_info['silence_id']} not found")
+    return _json(silence.to_json(int(alerting.clock() * 1e9)))
+
+
+async def list_outbox(request: web.Request) -> web.Response:
+    state = request.query.get("state") or None
+    if state not in (None, "pending", "delivered", "dead"):
+        raise ApiError(400, "state must be pending, delivered or dead")
+    rows = await request.app[ALERTING].outbox(state, _limit(request, 100, 1000))
+    return _json({"notifications": [outbox_json(r) for r in rows]})
+
+
+def _row_id(request: web.Request) -> int:
+    raw = request.match_info["row_id"]
+    if not raw.isdigit():
+        raise ApiError(400, "the notification id is a whole number")
+    return int(raw)
+
+
+async def get_outbox(request: web.Request) -> web.Response:
+    row = await request.app[ALERTING].outbox_row(_row_id(request))
+    if row is None:
+        raise ApiError(404, f"notification {request.match_info['row_id']} not found")
+    return _json(outbox_json(row, body=True))
+
+
+async def retry_outbox(request: web.Request) -> web.Response:
+    alerting = request.app[ALERTING]
+    row_id = _row_id(request)
+    if not await alerting.retry(row_id):
+        row = await alerting.outbox_row(row_id)
+        if row is None:
+            raise ApiError(404, f"notification {row_id} not found")
+        raise ApiError(409, f"notification {row_id} is {row.state}; only dead letters are retried")
+    row = await alerting.outbox_row(row_id)
+    assert row is not None
+    return _json(outbox_json(row))
+
+
+# --- the OpenAPI description of these routes (merged into /api/v1/openapi.json) ----------------------------
+
+
+def _body(ref: str) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+OPENAPI_SCHEMAS: dict[str, Any] = {
+    "Silence": _obj({"id": {"type": "string"},
+                     "matchers": {"type": "object", "properties": {k: {"type": "string"} for k in FIELDS},
+                                  "description": "shell-style patterns; all must match (cause fields: one cause)"},
+                     "comment": {"type": "string"}, "created_by": {"type": "string"}, "starts_at": TIME,
+                     "ends_at": TIME, "created_at": TIME, "state": {"enum": ["pending", "active", "expired"]}}),
+    "NewSilence": _obj({"matchers": {"type": "object", "properties": {k: {"type": "string"} for k in FIELDS}},
+                        "starts_at": {"type": ["string", "number"], "description": "default now"},
+                        "ends_at": {"type": ["string", "number"], "description": "RFC 3339 or unix seconds"},
+                        "duration_seconds": {"type": "number", "description": "instead of ends_at"},
+                        "comment": {"type": "string"}, "created_by": {"type": "string"}}, ["matchers"]),
+    "Silences": _obj({"silences": {"type": "array", "items": {"$ref": "#/components/schemas/Silence"}}}),
+    "Notification": _obj({
+        "id": {"type": "integer"}, "idempotency_key": {"type": "string"}, "receiver": {"type": "string"},
+        "route": {"type": "string"}, "group_id": {"type": "string"}, "status": {"enum": ["firing", "resolved"]},
+        "state": {"enum": ["pending", "delivered", "dead"]}, "attempts": {"type": "integer"},
+        "created_at": TIME, "next_attempt_at": _nullable("string"), "delivered_at": _nullable("string"),
+        "last_error": _nullable("string"), "body": {"type": "object", "description": "only for one notification"}},
+        ["id", "idempotency_key", "receiver", "route", "status", "state", "attempts", "created_at"]),
+    "Notifications": _obj({"notifications": {"type": "array",
+                                             "items": {"$ref": "#/components/schemas/Notification"}}}),
+}
+
+_NOT_FOUND = {"404": {"$ref": "#/components/responses/NotFound"}}
+_BAD = {"400": {"$ref": "#/components/responses/BadRequest"}}
+_SILENCE_ID = [{"name": "silence_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+_ROW_ID = [{"name": "row_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
+
+OPENAPI_PATHS: dict[str, Any] = {
+    "/api/v1/silences": {
+        "get": {"summary": "Silences not yet expired (state=all: also the expired ones)",
+                "parameters": [_query("state", "active (default) or all")],
+                "responses": {"200": {"description": "silences, newest first", **_body("Silences")}, **_BAD}},
+        "post": {"summary": "Silence alerts whose spike matches, until ends_at",
+                 "requestBody": {"required": True, **_body("NewSilence")},
+                 "responses": {"201": {"description": "the silence", **_body("Silence")}, **_BAD}}},
+    "/api/v1/silences/{silence_id}": {
+        "get": {"summary": "One silence", "parameters": _SILENCE_ID,
+                "responses": {"200": {"description": "the silence", **_body("Silence")}, **_NOT_FOUND}},
+        "delete": {"summary": "End a silence now (it stays listed as expired)", "parameters": _SILENCE_ID,
+                   "responses": {"200": {"description": "the expired silence", **_body("Silence")}, **_NOT_FOUND}}},
+    "/api/v1/alerts/outbox": {"get": {
+        "summary": "Notifications, newest first; state=dead lists the dead letters",
+        "parameters": [_query("state", "pending, delivered or dead"), _query("limit", "most (default 100)")],
+        "responses": {"200": {"description": "notifications", **_body("Notifications")}, **_BAD}}},
+    "/api/v1/alerts/outbox/{row_id}": {"get": {
+        "summary": "One notification with the body it sends", "parameters": _ROW_ID,
+        "responses": {"200": {"description": "the notification", **_body("Notification")}, **_NOT_FOUND}}},
+    "/api/v1/alerts/outbox/{row_id}/retry": {"post": {
+        "summary": "Send a dead-lettered notification again", "parameters": _ROW_ID,
+        "responses": {"200": {"description": "queued again", **_body("Notification")}, **_NOT_FOUND,
+                      "409": {"description": "not a dead letter"}}}},
+}

@@ -1,0 +1,57 @@
+"""Which spikes a route or a silence covers: shell-style patterns on the stream and on its causes.
+
+Patterns are ``fnmatch`` globs, case-sensitive (``model-*``, ``POST /v1/*``);
+a plain name matches only itself. Every non-empty field must match. The cause
+fields must all hold for one and the same cause, anywhere in the spike's
+ranked list: "a spike whose causes include a GPU utilization drop" is
+``cause_kinds=("resource",), cause_resources=("hw.gpu.utilization",)``.
+
+>>> doc = {"service": "gateway", "operation": "POST /v1/predict", "causes": [
+...     {"kind": "span", "service": "preprocess", "resource": None, "score": 0.7},
+...     {"kind": "resource", "service": "model-server", "resource": "hw.gpu.utilization", "score": 0.2}]}
+>>> SpikeMatcher(services=("gate*",), cause_kinds=("resource",), cause_resources=("hw.gpu.*",)).matches(doc)
+True
+>>> SpikeMatcher(cause_kinds=("resource",), min_cause_score=0.5).matches(doc)
+False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+CAUSE_KINDS = ("span", "service", "network", "resource")
+
+
+def _any(value: str | None, patterns: tuple[str, ...]) -> bool:
+    return value is not None and any(fnmatchcase(value, p) for p in patterns)
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeMatcher:
+    """Patterns on a spike (in its API form: ``service``, ``operation``, ``causes``)."""
+
+    services: tuple[str, ...] = ()
+    operations: tuple[str, ...] = ()
+    cause_kinds: tuple[str, ...] = ()
+    cause_services: tuple[str, ...] = ()
+    cause_resources: tuple[str, ...] = ()
+    min_cause_score: float = 0.0
+
+    @property
+    def on_causes(self) -> bool:
+        return bool(self.cause_kinds or self.cause_services or self.cause_resources or self.min_cause_score > 0)
+
+    def matches(self, doc: dict[str, Any]) -> bool:
+        if self.services and not _any(doc["service"], self.services):
+            return False
+        if self.operations and not _any(doc["operation"], self.operations):
+            return False
+        return not self.on_causes or any(self._cause(c) for c in doc["causes"])
+
+    def _cause(self, c: dict[str, Any]) -> bool:
+        return ((not self.cause_kinds or _any(c["kind"], self.cause_kinds))
+                and (not self.cause_services or _any(c.get("service"), self.cause_services))
+                and (not self.cause_resources or _any(c.get("resource"), self.cause_resources))
+                and c["score"] >= self.min_cause_score)

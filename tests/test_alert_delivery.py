@@ -1,0 +1,363 @@
+"""Alert delivery to real HTTP receivers on loopback, from a real collector and its storage.
+
+Spikes are handed to the collector's alerting as the pipeline hands them over
+(test_alert_live.py makes them from real traffic); everything after that is
+the real path: routing state and outbox in SQLite or PostgreSQL, HTTP POSTs
+to an aiohttp receiver, the REST API and /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import pytest
+import requests
+
+from spikehound.config import Config
+from spikehound.model import Cause, CauseKind, Spike
+from tests.alert_receivers import HookReceiver, signature_ok
+from tests.daemons import CollectorThread, collector_config
+
+S = 1_000_000_000
+MS = 1_000_000
+T0 = 1_767_225_600 * S
+PUBLIC = "https://spikehound.example.com"
+SECRET = b"webhook-signing-s3cret"
+
+SLOW_QUERY = Cause(kind=CauseKind.SPAN, score=0.96, service="preprocess", operation="SELECT features", host="gpu-1",
+                   baseline=9.8, observed=79.6, unit="ms",
+                   summary="Span SELECT features of preprocess took 79.6 ms of the critical path per slow request "
+                           "against 9.8 ms normally.")
+PREPROCESS = Cause(kind=CauseKind.SERVICE, score=0.84, service="preprocess", baseline=32.8, observed=94.3, unit="ms",
+                   summary="Service preprocess held the critical path for 94.3 ms per slow request against 32.8 ms "
+                           "normally.")
+
+
+def spike(n: int, *, service: str = "gateway", operation: str = "POST /v1/predict",
+          causes: tuple[Cause, ...] = (SLOW_QUERY, PREPROCESS)) -> Spike:
+    return Spike(id=f"{n:016x}", service=service, operation=operation, state="open", start_unix_nano=T0 + n * S,
+                 end_unix_nano=None, p99_ns=219 * MS, baseline_p99_ns=69 * MS, causes=causes,
+                 exemplar_trace_ids=(bytes.fromhex("e5bf1bc448df2524ea2e57ed82473184"),
+                                     bytes.fromhex("7405ed0e396377d8687a8585b69ac1d9")),
+                 detected_unix_nano=T0 + n * S + 15 * S)
+
+
+def ended(s: Spike) -> Spike:
+    return replace(s, state="resolved", end_unix_nano=s.start_unix_nano + 60 * S)
+
+
+def config(db_url: str, receivers: list[dict[str, Any]], **settings: Any) -> Config:
+    route = {"receiver": receivers[0]["name"], "resolve_wait_seconds": 0, "group_interval_seconds": 0}
+    route.update(settings.pop("route", {}))
+    return collector_config(db_url, alerts__receivers=receivers, alerts__routes=[route],
+                            collector__public_url=PUBLIC, alerts__backoff_initial_seconds=0.2,
+                            alerts__backoff_max_seconds=0.5, **settings)
+
+
+def observe(running: CollectorThread, *spikes: Spike) -> None:
+    """What the ingest pipeline does after committing spike states."""
+    running.loop.call_soon_threadsafe(running.collector.alerting.observe, list(spikes))
+
+
+def outbox(running: CollectorThread, state: str | None = None) -> list[dict[str, Any]]:
+    params = {"state": state} if state else None
+    r = requests.get(f"{running.api}/api/v1/alerts/outbox", params=params, timeout=5)
+    r.raise_for_status()
+    return r.json()["notifications"]
+
+
+def wait_for(what: str, check: Any, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def hook() -> Iterator[HookReceiver]:
+    with HookReceiver(secret=SECRET) as receiver:
+        yield receiver
+
+
+# --- Slack -------------------------------------------------------------------------------------
+
+
+def _texts(block: dict[str, Any]) -> list[str]:
+    out = []
+    if "text" in block:
+        out.append(block["text"]["text"])
+    out += [f["text"] for f in block.get("fields", [])]
+    out += [e["text"] for e in block.get("elements", []) if e.get("type") in ("mrkdwn", "plain_text")]
+    return out
+
+
+def check_block_kit(message: dict[str, Any]) -> None:
+    """Slack's published limits for messages sent to incoming webhooks."""
+    blocks = message["blocks"]
+    assert 1 <= len(blocks) <= 50
+    for block in blocks:
+        if block["type"] == "header":
+            assert len(block["text"]["text"]) <= 150
+        if block["type"] == "section":
+            assert all(len(t) <= 3000 for t in _texts(block)), [len(t) for t in _texts(block)]
+            assert len(block.get("fields", [])) <= 10
+        if block["type"] == "context":
+            assert len(block["elements"]) <= 10 and all(len(t) <= 3000 for t in _texts(block))
+        if block["type"] == "actions":
+            assert len(block["elements"]) <= 25
+            for button in block["elements"]:
+                assert len(button["text"]["text"]) <= 75 and len(button["url"]) <= 3000
+
+
+def test_slack_message_names_the_cause_links_the_evidence_and_keeps_block_kit_limits(tmp_path):
+    with HookReceiver() as slack:
+        cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                     [{"name": "oncall", "type": "slack", "url_secret": slack.url + "/services/T0/B0/XXXX"}])
+        with CollectorThread(cfg) as running:
+            s = spike(1)
+            observe(running, s)
+            (firing,) = slack.wait_events(1)
+            observe(running, ended(s))
+            resolved = slack.wait_events(2)[1]
+
+    message = firing.json
+    check_block_kit(message)
+    text = "\n".join(t for b in message["blocks"] for t in _texts(b))
+    assert "gateway" in text and "POST /v1/predict" in text
+    assert "219.0 ms" in text and "69.0 ms" in text  # p99 against the baseline
+    assert SLOW_QUERY.summary in text and "96%" in text  # the top cause, with its numbers
+    assert text.index(SLOW_QUERY.summary) < text.index(PREPROCESS.summary)
+    urls = [e["url"] for b in message["blocks"] if b["type"] == "actions" for e in b["elements"]]
+    assert urls == [f"{PUBLIC}/api/v1/spikes/{s.id}", f"{PUBLIC}/api/v1/traces/e5bf1bc448df2524ea2e57ed82473184"]
+    assert "Top cause: " + SLOW_QUERY.summary in message["text"]  # the notification's plain-text fallback
+
+    check_block_kit(resolved.json)
+    assert "Resolved" in resolved.json["blocks"][0]["text"]["text"]
+    assert firing.key != resolved.key
+
+
+def test_a_huge_group_with_hostile_names_still_fits_slack(tmp_path):
+    hostile = "<!channel> " + "x" * 3000
+    long_cause = replace(SLOW_QUERY, summary="Span <@U123> & " + "y" * 6000)
+    with HookReceiver() as slack:
+        cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                     [{"name": "oncall", "type": "slack", "url_secret": slack.url}])
+        with CollectorThread(cfg) as running:
+            # 30 streams of one service with one top cause: one group, one message.
+            observe(running, *[spike(n, operation=f"{hostile} {n}", causes=(long_cause,)) for n in range(30)])
+            (got,) = slack.wait_events(1)
+    message = got.json
+    check_block_kit(message)
+    raw = orjson.dumps(message).decode()
+    assert "<!channel>" not in raw and "<@U123>" not in raw  # escaped: nobody is pinged by a span name
+    text = "\n".join(t for b in message["blocks"] for t in _texts(b))
+    assert "Span &lt;@U123&gt; &amp; yyy" in text  # the top cause is there, clipped
+    assert "and 20 more streams" in text
+
+
+# --- webhooks ----------------------------------------------------------------------------------
+
+ALERTMANAGER_KEYS = {"version", "groupKey", "status", "receiver", "groupLabels", "commonLabels", "commonAnnotations",
+                     "externalURL", "alerts"}
+ALERT_KEYS = {"status", "labels", "annotations", "startsAt", "endsAt", "generatorURL", "fingerprint"}
+
+
+def test_webhook_keeps_alertmanager_fields_is_signed_and_a_tampered_body_fails(tmp_path, hook):
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                 [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}])
+    with CollectorThread(cfg) as running:
+        s = spike(1)
+        observe(running, s)
+        (got,) = hook.wait_events(1)
+        observe(running, ended(s))
+        resolved = hook.wait_events(2)[1]
+
+    body = got.json
+    assert set(body) >= ALERTMANAGER_KEYS and body["version"] == "4" and body["status"] == "firing"
+    assert body["receiver"] == "pager" and body["externalURL"] == PUBLIC
+    assert body["groupLabels"] == {"service": "gateway", "cause": "span preprocess: SELECT features"}
+    (alert,) = body["alerts"]
+    assert set(alert) >= ALERT_KEYS
+    assert alert["labels"]["service"] == "gateway" and alert["labels"]["operation"] == "POST /v1/predict"
+    assert alert["startsAt"] == "2026-01-01T00:00:01Z" and alert["endsAt"] == "0001-01-01T00:00:00Z"
+    assert alert["generatorURL"] == f"{PUBLIC}/api/v1/spikes/{s.id}"
+    (shown,) = body["spikehound"]["spikes"]
+    assert [c["summary"] for c in shown["causes"]] == [SLOW_QUERY.summary, PREPROCESS.summary]
+    assert shown["p99_ms"] == 219.0 and shown["baseline_p99_ms"] == 69.0
+    assert body["spikehound"]["idempotency_key"] == got.key
+
+    assert resolved.json["status"] == "resolved" and resolved.json["alerts"][0]["endsAt"] == "2026-01-01T00:01:01Z"
+    assert resolved.json["alerts"][0]["fingerprint"] == alert["fingerprint"]  # the same alert, now resolved
+
+    # The receiver accepted both (its own HMAC check); change one byte and the same check refuses it.
+    assert all(r.status == 200 for r in hook.requests)
+    assert hook.signature_ok(got.headers, got.body)
+    tampered = got.body.replace(b'"firing"', b'"resolvd"', 1)
+    assert not hook.signature_ok(got.headers, tampered)
+    answer = requests.post(hook.url, data=tampered, headers={k: v for k, v in got.headers.items()
+                                                             if k.lower() not in ("content-length", "host")},
+                           timeout=5)
+    assert answer.status_code == 401
+    assert not signature_ok(b"another secret", got.headers, got.body)
+
+
+@pytest.mark.slow
+def test_a_receiver_that_is_down_then_back_gets_each_event_exactly_once(db_url):
+    with HookReceiver(secret=SECRET, work_then_fail=True) as hook:
+        hook.down()
+        cfg = config(db_url, [{"name": "pager", "type": "webhook", "url": hook.url,
+                               "signing_secret": SECRET.decode()}])
+        with CollectorThread(cfg) as running:
+            s = spike(1)
+            observe(running, s)
+            first = wait_for("failed attempts", lambda: [n for n in outbox(running) if n["attempts"] >= 2])
+            assert "cannot connect" in first[0]["last_error"]
+            # Back, but the first two answers are lost after the work was done: the sender must retry.
+            hook.answers = [500, 500]
+            hook.up()
+            wait_for("delivery", lambda: outbox(running, "delivered"))
+            observe(running, ended(s))
+            wait_for("the resolve notice", lambda: len(outbox(running, "delivered")) == 2)
+            rows = outbox(running)
+            delivered = running.metric("spikehound_alert_delivery_attempts_total", receiver="pager",
+                                       result="delivered")
+
+    assert [r["state"] for r in rows] == ["delivered", "delivered"]
+    keys = [r.key for r in hook.requests]
+    assert len(hook.events) == 2 and set(keys) == set(hook.events)  # two events, each done once
+    firing_key = rows[1]["idempotency_key"]
+    retries = [r for r in hook.requests if r.key == firing_key]
+    assert len(retries) == 3 and len({r.body for r in retries}) == 1  # the same body every time
+    assert [r.status for r in retries] == [500, 500, 200]
+    assert hook.events[firing_key].json["status"] == "firing"
+    assert delivered == 2
+
+
+def test_429_retry_after_is_honoured(tmp_path, hook):
+    hook.answers, hook.retry_after = [429], "2"
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                 [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}])
+    with CollectorThread(cfg) as running:
+        observe(running, spike(1))
+        hook.wait_events(1)
+    refused, accepted = hook.requests
+    assert (refused.status, accepted.status) == (429, 200)
+    assert accepted.at - refused.at >= 1.9  # the backoff alone would have retried within half a second
+    assert refused.key == accepted.key and refused.body == accepted.body
+
+
+@pytest.mark.slow
+def test_dead_letters_are_visible_through_the_api_and_can_be_sent_again(db_url, hook):
+    hook.answers = [503] * 3 + [404]
+    cfg = config(db_url, [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}],
+                 alerts__max_attempts=3,
+                 route={"services": ["gateway"]})
+    extra = {"name": "other", "type": "webhook", "url": hook.url + "/other", "signing_secret": SECRET.decode()}
+    cfg.alerts.receivers.append(replace(cfg.alerts.receivers[0], **extra))
+    cfg.alerts.routes.append(replace(cfg.alerts.routes[0], receiver="other", name="other", services=["model-*"]))
+    with CollectorThread(cfg) as running:
+        observe(running, spike(1))
+        (dead,) = wait_for("a dead letter", lambda: outbox(running, "dead"))
+        assert dead["attempts"] == 3 and dead["last_error"].startswith("HTTP 503")
+        assert running.metric("spikehound_alert_delivery_attempts_total", receiver="pager", result="dead") == 1
+
+        # A refusal that retrying cannot fix is dead at once.
+        observe(running, spike(2, service="model-server"))
+        refused = wait_for("the refused one", lambda: [n for n in outbox(running, "dead") if n["receiver"] == "other"])
+        assert refused[0]["attempts"] == 1 and "HTTP 404" in refused[0]["last_error"]
+
+        one = requests.get(f"{running.api}/api/v1/alerts/outbox/{dead['id']}", timeout=5).json()
+        assert one["body"]["status"] == "firing" and one["body"]["alerts"][0]["labels"]["service"] == "gateway"
+
+        # Fixed: send it again by hand.
+        r = requests.post(f"{running.api}/api/v1/alerts/outbox/{dead['id']}/retry", timeout=5)
+        assert r.status_code == 200 and r.json()["state"] == "pending"
+        wait_for("redelivery", lambda: any(n["id"] == dead["id"] for n in outbox(running, "delivered")))
+        again = requests.post(f"{running.api}/api/v1/alerts/outbox/{dead['id']}/retry", timeout=5)
+        assert again.status_code == 409 and "delivered" in again.json()["error"]
+        assert requests.post(f"{running.api}/api/v1/alerts/outbox/999999/retry", timeout=5).status_code == 404
+
+
+def test_the_slack_url_is_never_logged_nor_shown(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with HookReceiver() as slack:
+        slack.down()
+        cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                     [{"name": "oncall", "type": "slack", "url_secret": slack.url + "/services/T0/B0/TOPSECRET"}],
+                     alerts__max_attempts=2)
+        with CollectorThread(cfg) as running:
+            observe(running, spike(1))
+            (dead,) = wait_for("a dead letter", lambda: outbox(running, "dead"))
+            api_text = requests.get(f"{running.api}/api/v1/alerts/outbox/{dead['id']}", timeout=5).text
+    from spikehound.config import effective, to_toml
+
+    assert "TOPSECRET" not in caplog.text and "TOPSECRET" not in api_text
+    assert "TOPSECRET" not in to_toml(effective(cfg))
+    assert "cannot connect" in dead["last_error"] and "oncall" in caplog.text
+
+
+# --- silences through the API ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("not json", "not JSON"),
+    ({"matchers": {}, "duration_seconds": 60}, "at least one"),
+    ({"matchers": {"host": "x"}, "duration_seconds": 60}, "unknown host"),
+    ({"matchers": {"service": "gateway"}}, "must expire"),
+    ({"matchers": {"service": "gateway"}, "ends_at": "2001-01-01T00:00:00Z"}, "in the future"),
+    ({"matchers": {"cause_kind": "gpu"}, "duration_seconds": 60}, "not one of span"),
+    ({"matchers": {"service": "gateway"}, "duration_seconds": -5}, "duration_seconds"),
+])
+def test_a_bad_silence_is_refused_with_the_reason(sqlite_collector, body, needle):
+    data = body if isinstance(body, str) else orjson.dumps(body)
+    r = requests.post(f"{sqlite_collector.api}/api/v1/silences", data=data, timeout=5)
+    assert r.status_code == 400 and needle in r.json()["error"]
+
+
+def test_silences_are_created_listed_and_ended(db_url):
+    with CollectorThread(collector_config(db_url)) as running:
+        api = f"{running.api}/api/v1/silences"
+        made = requests.post(api, json={"matchers": {"service": "gateway", "cause_kind": "resource"},
+                                        "duration_seconds": 3600, "comment": "GPU swap", "created_by": "ana"},
+                             timeout=5)
+        assert made.status_code == 201
+        silence = made.json()
+        assert silence["state"] == "active" and silence["matchers"] == {"service": "gateway", "cause_kind": "resource"}
+        assert [s["id"] for s in requests.get(api, timeout=5).json()["silences"]] == [silence["id"]]
+
+        gone = requests.delete(f"{api}/{silence['id']}", timeout=5)
+        assert gone.status_code == 200 and gone.json()["state"] == "expired"
+        assert requests.get(api, timeout=5).json()["silences"] == []
+        assert [s["state"] for s in requests.get(api, params={"state": "all"}, timeout=5).json()["silences"]] == [
+            "expired"]
+        assert requests.delete(f"{api}/nope", timeout=5).status_code == 404
+        assert requests.get(f"{api}/{silence['id']}", timeout=5).json()["comment"] == "GPU swap"
+
+
+def test_a_flapping_spike_does_not_make_a_storm(tmp_path, hook):
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                 [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}],
+                 route={"resolve_wait_seconds": 3})
+    with CollectorThread(cfg) as running:
+        # Six spikes on one stream for one reason, each ending and the next opening a moment later (the
+        # detector gives each a new id, as it does when a stream flaps around its threshold).
+        for n in range(6):
+            s = spike(n)
+            observe(running, s)
+            time.sleep(0.2)
+            observe(running, ended(s))
+            time.sleep(0.2)
+        hook.wait_events(2)
+        time.sleep(1)
+        rows = outbox(running)
+    assert [e.json["status"] for e in hook.events.values()] == ["firing", "resolved"]
+    assert len(hook.requests) == 2 and len(rows) == 2

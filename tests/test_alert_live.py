@@ -1,0 +1,166 @@
+"""Alerts from real spikes: scenario traffic over OTLP/HTTP into a real collector, webhooks to a real receiver.
+
+Also what a crash leaves behind: a collector SIGKILLed while its alert waits
+in the outbox sends it after the restart, and one killed after committing a
+spike but before routing it routes it at the next start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from benchmarks.traffic import Scenario
+from spikehound.model import Cause, CauseKind, Spike
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.writer import WriteBatch, Writer
+from tests.alert_receivers import HookReceiver
+from tests.daemons import CollectorProcess, CollectorThread, collector_config
+from tests.scenario_io import scenario_requests, send
+
+pytestmark = pytest.mark.slow
+
+SECRET = "live-signing-s3cret"
+S = 1_000_000_000
+
+
+def _scenario() -> Scenario:
+    # As in test_detection_live.py: 3.5 minutes of warm-up, a one-minute slow feature query, then calm.
+    return Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
+
+
+def _outbox(api: str, state: str | None = None) -> list[dict[str, Any]]:
+    r = requests.get(f"{api}/api/v1/alerts/outbox", params={"state": state} if state else None, timeout=10)
+    r.raise_for_status()
+    return r.json()["notifications"]
+
+
+def _metric(api: str, name: str) -> float:
+    text = requests.get(f"{api}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _wait(what: str, check: Any, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return found
+
+
+def test_a_silence_suppresses_its_spike_and_the_other_one_pages_then_resolves(tmp_path: Path):
+    with HookReceiver(secret=SECRET.encode()) as hook:
+        cfg = collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}", alerts__receivers=[
+            {"name": "pager", "url": hook.url, "signing_secret": SECRET}],
+            alerts__routes=[{"receiver": "pager", "resolve_wait_seconds": 0}])
+        with CollectorThread(cfg) as running:
+            made = requests.post(f"{running.api}/api/v1/silences", timeout=5, json={
+                "matchers": {"service": "preprocess"}, "duration_seconds": 3600, "comment": "known slow query"})
+            assert made.status_code == 201
+            send(running.http_endpoint, scenario_requests(_scenario()))
+            events = hook.wait_events(2, timeout=60)
+            time.sleep(2)  # anything else would have arrived by now
+            spikes = requests.get(f"{running.api}/api/v1/spikes", timeout=5).json()["spikes"]
+            silenced = running.metric("spikehound_alert_spikes_total", outcome="silenced", route="pager")
+
+    # Both streams spiked; only the unsilenced one paged, and its resolve notice followed.
+    assert {s["service"] for s in spikes} >= {"gateway", "preprocess"}
+    assert silenced >= 1
+    assert len(hook.requests) == 2
+    firing, resolved = (e.json for e in events)
+    assert (firing["status"], resolved["status"]) == ("firing", "resolved")
+    assert firing["commonLabels"]["service"] == "gateway"
+    top = firing["spikehound"]["spikes"][0]["causes"][0]
+    assert (top["kind"], top["service"], top["operation"]) == ("span", "preprocess", "SELECT features")
+    gateway = next(s for s in spikes if s["service"] == "gateway")
+    assert firing["alerts"][0]["annotations"]["spike_id"] == gateway["id"]
+    assert resolved["alerts"][0]["endsAt"] == gateway["end"].replace(".000000000", "")
+
+
+def test_a_collector_killed_before_delivery_delivers_after_its_restart(tmp_path: Path):
+    sc = _scenario()
+    bodies = scenario_requests(sc)
+    cut = 2 * (int(sc.onset_s) + 25)  # the spike is open 25 s into the fault (two requests per second)
+    config = tmp_path / "spikehound.toml"
+    with HookReceiver(secret=SECRET.encode()) as hook:
+        hook.down()  # the receiver is away: the alert waits in the outbox
+        # Checkpoints every second: the detectors' state survives the kill, so the spike also ends after it.
+        config.write_text(f"""
+[detection]
+checkpoint_seconds = 1
+
+[alerts]
+backoff_initial_seconds = 0.2
+backoff_max_seconds = 1.0
+
+[[alerts.receivers]]
+name = "pager"
+url = "{hook.url}"
+signing_secret = "{SECRET}"
+
+[[alerts.routes]]
+receiver = "pager"
+services = ["gateway"]
+""")
+        collector = CollectorProcess(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path,
+                                     env={"SPIKEHOUND_CONFIG": str(config)})
+        collector.start()
+        try:
+            send(collector.http_endpoint, bodies[:cut])
+            (waiting,) = _wait("a failed delivery", lambda: [n for n in _outbox(collector.api) if n["attempts"] >= 1])
+            assert waiting["state"] == "pending" and waiting["status"] == "firing"
+            checkpoints = "spikehound_detector_checkpoint_seconds_count"
+            _wait("a detector checkpoint", lambda: _metric(collector.api, checkpoints))
+            collector.kill()  # SIGKILL: no chance to do anything more
+
+            hook.up()
+            collector.start()
+            (event,) = hook.wait_events(1, timeout=60)
+            send(collector.http_endpoint, bodies[cut:])
+            _wait("the resolve notice", lambda: len(hook.events) == 2, timeout=120)
+            time.sleep(2)
+            rows = _outbox(collector.api)
+        finally:
+            collector.kill()
+
+    assert event.key == waiting["idempotency_key"]  # the very notification queued before the kill
+    assert event.json["status"] == "firing" and event.json["commonLabels"]["service"] == "gateway"
+    assert [r.status for r in hook.requests] == [200, 200]  # each sent once after the restart
+    assert [e.json["status"] for e in hook.events.values()] == ["firing", "resolved"]
+    assert {r["state"] for r in rows} == {"delivered"}
+
+
+SLOW_QUERY = Cause(kind=CauseKind.SPAN, score=0.9, service="preprocess", operation="SELECT features",
+                   summary="Span SELECT features of preprocess took 79.6 ms of the critical path per slow request "
+                           "against 9.8 ms normally.")
+
+
+def test_spikes_committed_but_not_yet_routed_are_routed_at_the_next_start(db_url):
+    """A kill between the spike's commit and the routing commit: the spikes table has it, the outbox not."""
+    spike = Spike(id="c0ffee0000000001", service="gateway", operation="POST /v1/predict", state="open",
+                  start_unix_nano=1_767_225_600 * S, end_unix_nano=None, p99_ns=219_000_000,
+                  baseline_p99_ns=69_000_000, causes=(SLOW_QUERY,), detected_unix_nano=1_767_225_615 * S)
+    engine = make_engine(db_url)
+    upgrade(engine)
+    Writer(engine).write(WriteBatch(spikes=[spike]))
+    with HookReceiver(secret=SECRET.encode()) as hook:
+        cfg = collector_config(db_url, alerts__receivers=[{"name": "pager", "url": hook.url, "signing_secret": SECRET}],
+                               alerts__routes=[{"receiver": "pager", "resolve_wait_seconds": 0}])
+        with CollectorThread(cfg):
+            (firing,) = hook.wait_events(1)
+        # It ends while the collector is down (as the detectors would have written it just before a kill).
+        Writer(engine).write(WriteBatch(spikes=[replace(spike, state="resolved",
+                                                        end_unix_nano=spike.start_unix_nano + 90 * S)]))
+        with CollectorThread(cfg):
+            resolved = hook.wait_events(2)[1]
+            time.sleep(1)
+    engine.dispose()
+    assert firing.json["alerts"][0]["annotations"]["spike_id"] == spike.id
+    assert resolved.json["status"] == "resolved" and resolved.json["alerts"][0]["endsAt"] == "2026-01-01T00:01:30Z"
+    assert len(hook.requests) == 2

@@ -1,0 +1,273 @@
+"""Routing as an SRE sees it: which spikes page whom, how often, and what a flapping stream does.
+
+The router is pure bookkeeping with an injected clock, so these tests feed it
+the Spike objects the detectors produce and step the clock; delivery over
+HTTP is tested in test_alert_delivery.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from collector.alerts.routing import GroupState, Router
+from collector.alerts.silences import Silence
+from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
+from spikehound.model import Cause, CauseKind, Spike
+
+S = 1_000_000_000
+MS = 1_000_000
+T0 = 1_767_225_600 * S  # event time of the first spike
+
+SLOW_QUERY = Cause(kind=CauseKind.SPAN, score=0.9, service="preprocess", operation="SELECT features", host="gpu-1",
+                   baseline=9.8, observed=79.6, unit="ms",
+                   summary="Span SELECT features of preprocess took 79.6 ms of the critical path per slow request "
+                           "against 9.8 ms normally.")
+GPU_DROP = Cause(kind=CauseKind.RESOURCE, score=0.6, service="model-server", operation="forward", host="gpu-2",
+                 resource="hw.gpu.utilization", baseline=70.0, observed=25.0, unit="%",
+                 summary="GPU utilization (GPU-2) fell from 70 % to 25 % on gpu-2, which served the slow forward.")
+NETWORK = Cause(kind=CauseKind.NETWORK, score=0.8, service="model-server", operation="POST /infer",
+                peer_service="gateway", summary="The hop gateway -> model-server took 60 ms more.")
+
+
+def spike(n: int, *, state: str = "open", service: str = "gateway", operation: str = "POST /v1/predict",
+          start_s: float = 0, end_s: float | None = None, p99_ms: float = 220, baseline_ms: float = 70,
+          causes: tuple[Cause, ...] = (SLOW_QUERY,), detected_s: float | None = None) -> Spike:
+    start = T0 + int(start_s * S)
+    return Spike(id=f"spike-{n}", service=service, operation=operation, state=state, start_unix_nano=start,
+                 end_unix_nano=None if end_s is None else T0 + int(end_s * S), p99_ns=int(p99_ms * MS),
+                 baseline_p99_ns=int(baseline_ms * MS), causes=causes, exemplar_trace_ids=(bytes(15) + b"\x01",),
+                 detected_unix_nano=start + int((detected_s if detected_s is not None else 15) * S))
+
+
+def ended(s: Spike, end_s: float) -> Spike:
+    return replace(s, state="resolved", end_unix_nano=T0 + int(end_s * S))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def config(*routes: RouteConfig) -> AlertsConfig:
+    receivers = sorted({r.receiver for r in routes})
+    for r in routes:
+        r.name = r.name or r.receiver
+    return AlertsConfig(receivers=[ReceiverConfig(name=n, url="http://127.0.0.1:9/") for n in receivers],
+                        routes=list(routes))
+
+
+def sent(router: Router) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(receiver, status, spike ids) of every notification due now."""
+    return [(n.receiver, n.status, tuple(a.spike["id"] for a in n.alerts)) for n in router.evaluate().notifications]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def test_a_flapping_stream_pages_once_and_resolves_once(clock):
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=120)), clock=clock)
+    messages = []
+    # Ten spikes on the same stream for the same reason, each 40 s long with 50 s calm between: a flap.
+    for n in range(10):
+        s = spike(n, start_s=90 * n)
+        router.observe([s])
+        messages += sent(router)
+        clock.tick(40)
+        router.observe([ended(s, 90 * n + 40)])
+        messages += sent(router)
+        clock.tick(50)
+        messages += sent(router)
+    clock.tick(120)
+    messages += sent(router)
+
+    assert messages == [("oncall", "firing", ("spike-0",)), ("oncall", "resolved", ("spike-9",))]
+
+
+def test_without_a_resolve_wait_every_flap_is_two_messages(clock):
+    # The contrast to the test above: resolve_wait is what keeps a flapping stream quiet.
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    messages = []
+    for n in range(3):
+        s = spike(n, start_s=90 * n)
+        router.observe([s])
+        messages += sent(router)
+        clock.tick(40)
+        router.observe([ended(s, 90 * n + 40)])
+        messages += sent(router)
+        clock.tick(50)
+    assert [m[1] for m in messages] == ["firing", "resolved"] * 3
+
+
+def test_streams_are_grouped_by_service_and_top_cause(clock):
+    router = Router(config(RouteConfig(receiver="oncall", group_interval_seconds=300)), clock=clock)
+    router.observe([spike(1)])
+    assert sent(router) == [("oncall", "firing", ("spike-1",))]
+
+    # Another operation of the same service, slowed by the same query: same group, told at the group interval.
+    clock.tick(30)
+    router.observe([spike(2, operation="GET /v1/models")])
+    assert sent(router) == []
+    clock.tick(270)
+    assert sent(router) == [("oncall", "firing", ("spike-1", "spike-2"))]
+
+    # The same service slowed by something else is another group, told at once.
+    router.observe([spike(3, operation="POST /v1/embed", causes=(NETWORK,))])
+    assert sent(router) == [("oncall", "firing", ("spike-3",))]
+
+
+def test_the_group_key_keeps_the_first_top_cause_while_causes_are_re_ranked(clock):
+    router = Router(config(RouteConfig(receiver="oncall")), clock=clock)
+    s = spike(1)
+    router.observe([s])
+    (note,) = router.evaluate().notifications
+    router.observe([replace(s, causes=(NETWORK, SLOW_QUERY))])  # an update re-ranks the causes
+    assert sent(router) == []
+    clock.tick(4 * 3600)
+    (repeat,) = router.evaluate().notifications
+    assert repeat.group_id == note.group_id and repeat.idempotency_key != note.idempotency_key
+    assert repeat.alerts[0].spike["causes"][0]["kind"] == "network"  # the message shows the latest ranking
+
+
+def test_minimum_severity_and_duration(clock):
+    router = Router(config(RouteConfig(receiver="oncall", min_ratio=2.0, min_duration_seconds=60)), clock=clock)
+    mild = spike(1, p99_ms=100, baseline_ms=70)  # 1.4x
+    router.observe([mild])
+    clock.tick(120)
+    assert sent(router) == []
+    router.observe([replace(mild, p99_ns=200 * MS)])  # it grew to 2.9x, and has lasted long enough
+    assert sent(router) == [("oncall", "firing", ("spike-1",))]
+
+    # 15 s old when detected: announced once it has lasted 60 s, i.e. 45 s later.
+    router.observe([spike(2, service="model-server", detected_s=15)])
+    clock.tick(44)
+    assert sent(router) == []
+    clock.tick(1)
+    assert sent(router) == [("oncall", "firing", ("spike-2",))]
+
+    # One that ends sooner is never announced, and counted.
+    short = spike(3, service="postprocess")
+    router.observe([short])
+    clock.tick(20)
+    router.observe([ended(short, 35)])
+    assert sent(router) == []
+    assert router.counts["too_short", ""] == 1
+
+
+def test_latency_high_while_gpu_utilization_is_low_goes_to_its_own_route(clock):
+    gpu = RouteConfig(receiver="gpu-team", cause_kinds=["resource"], cause_resources=["hw.gpu.utilization"],
+                      min_cause_score=0.2)
+    router = Router(config(gpu, RouteConfig(receiver="oncall")), clock=clock)
+    router.observe([spike(1, causes=(SLOW_QUERY, GPU_DROP)), spike(2, service="model-server")])
+    assert sorted(sent(router)) == [("gpu-team", "firing", ("spike-1",)), ("oncall", "firing", ("spike-2",))]
+
+
+def test_continue_matching_sends_to_the_next_route_too(clock):
+    first = RouteConfig(receiver="gpu-team", cause_kinds=["resource"], continue_matching=True)
+    router = Router(config(first, RouteConfig(receiver="oncall")), clock=clock)
+    router.observe([spike(1, causes=(GPU_DROP,))])
+    assert sorted(sent(router)) == [("gpu-team", "firing", ("spike-1",)), ("oncall", "firing", ("spike-1",))]
+
+
+def test_routes_match_service_and_operation_patterns(clock):
+    router = Router(config(RouteConfig(receiver="models", services=["model-*"], operations=["POST *"])), clock=clock)
+    router.observe([spike(1, service="model-server", operation="POST /infer"),
+                    spike(2, service="model-server", operation="GET /health"),
+                    spike(3, service="gateway", operation="POST /v1/predict")])
+    assert sent(router) == [("models", "firing", ("spike-1",))]
+    assert router.counts["routed", "models"] == 1
+
+
+def test_a_firing_group_is_repeated_at_the_repeat_interval(clock):
+    router = Router(config(RouteConfig(receiver="oncall", repeat_interval_seconds=3600)), clock=clock)
+    router.observe([spike(1)])
+    keys = [n.idempotency_key for n in router.evaluate().notifications]
+    clock.tick(3599)
+    assert sent(router) == []
+    clock.tick(1)
+    keys += [n.idempotency_key for n in router.evaluate().notifications]
+    assert len(keys) == len(set(keys)) == 2
+
+
+def test_the_rate_limit_holds_notifications_and_sends_the_latest_state_later(clock):
+    router = Router(config(RouteConfig(receiver="oncall", max_per_hour=2)), clock=clock)
+    router.observe([spike(n, service=f"svc-{n}") for n in range(4)])
+    assert [m[2] for m in sent(router)] == [("spike-0",), ("spike-1",)]
+    assert sent(router) == []
+    assert router.counts["rate_limited", "oncall"] == 2
+    clock.tick(3600)
+    assert [m[2] for m in sent(router)] == [("spike-2",), ("spike-3",)]
+
+
+def test_a_silence_suppresses_the_alert_and_its_resolve(clock):
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    silence = Silence.parse({"matchers": {"service": "gateway", "cause_kind": "span"}, "duration_seconds": 3600},
+                            now_ns=int(clock.now * S))
+    router.set_silences([silence])
+    muted, other = spike(1), spike(2, service="model-server")
+    router.observe([muted, other])
+    assert sent(router) == [("oncall", "firing", ("spike-2",))]
+    router.observe([ended(muted, 60), ended(other, 60)])
+    assert sent(router) == [("oncall", "resolved", ("spike-2",))]
+    assert router.counts["silenced", "oncall"] == 1
+
+    # Once the silence has expired, the next spike on the stream pages again.
+    clock.tick(3600)
+    router.observe([spike(3, start_s=4000)])
+    assert sent(router) == [("oncall", "firing", ("spike-3",))]
+
+
+def test_a_silence_made_after_the_page_holds_back_the_resolve_until_it_ends(clock):
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    s = spike(1)
+    router.observe([s])
+    assert len(sent(router)) == 1
+    router.set_silences([Silence.parse({"matchers": {"operation": "POST /v1/*"}, "duration_seconds": 600},
+                                       now_ns=int(clock.now * S))])
+    clock.tick(10)
+    assert sent(router) == []  # still firing, silenced: no message, and certainly no "resolved"
+    router.observe([ended(s, 100)])
+    assert sent(router) == []  # ended while silenced: the group closes quietly
+    assert router.groups == {}
+
+
+def test_reload_keeps_the_state_of_routes_that_remain(clock):
+    cfg = config(RouteConfig(receiver="oncall"))
+    router = Router(cfg, clock=clock)
+    router.observe([spike(1)])
+    assert len(sent(router)) == 1
+    router.reload(config(RouteConfig(receiver="oncall"), RouteConfig(receiver="gpu-team", cause_kinds=["resource"])))
+    assert sent(router) == []  # no second page for the same group
+    router.reload(config(RouteConfig(receiver="gpu-team", name="gpu", cause_kinds=["resource"])))
+    decision = router.evaluate()
+    assert router.groups == {} and decision.removed  # its route is gone: the group is dropped and deleted
+
+
+def test_saved_state_continues_without_a_second_page(clock):
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    s = spike(1)
+    router.observe([s])
+    decision = router.evaluate()
+    (first,) = decision.notifications
+    saved = [(gid, route, state) for gid, (route, state) in decision.saved.items()]
+
+    # A new process: the saved groups, then the stored state of the spikes it held open.
+    again = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    again.restore(saved)
+    assert again.open_spike_ids() == {"spike-1"}
+    again.observe([s])
+    assert sent(again) == []
+    again.observe([ended(s, 100)])
+    (resolved,) = again.evaluate().notifications
+    assert resolved.status == "resolved" and resolved.group_id == first.group_id
+    assert resolved.idempotency_key != first.idempotency_key
+    assert GroupState.from_json(saved[0][2]).seq == 1
