@@ -13,6 +13,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from collector.api import make_api
+from collector.web.routes import is_web_path
 from spikehound.model import Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
 from storage.engine import make_engine
@@ -60,7 +61,9 @@ def test_openapi_documents_every_route(sqlite_collector: CollectorThread):
     doc = requests.get(f"{sqlite_collector.api}/api/v1/openapi.json", timeout=5).json()
     assert doc["openapi"].startswith("3.")
     app = make_api(reader=None, telemetry=sqlite_collector.collector.telemetry, ready=None, token="")  # type: ignore[arg-type]
-    routes = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
+    # The web pages (HTML under /ui/) are not part of the JSON API.
+    routes = {r.resource.canonical for r in app.router.routes()
+              if r.method == "GET" and not is_web_path(r.resource.canonical)}
     assert routes - {"/api/v1/openapi.json"} == set(doc["paths"])
     for schema in ("Span", "Spike", "Cause"):
         assert schema in doc["components"]["schemas"]
