@@ -20,8 +20,11 @@ from typing import Any
 import pytest
 import requests
 
+from benchmarks.web_page import long_trace
 from collector.web import session
 from collector.web.routes import STATIC
+from collector.web.waterfall import layout
+from spikehound.model import Span, SpanKind, StatusCode
 from storage.page_queries import host_series, recent_windows
 from tests.daemons import CollectorThread
 from tests.test_storage import FULL_SCAN, T0, planned  # noqa: F401 - planned is a fixture
@@ -267,3 +270,35 @@ def test_the_pages_queries_are_served_by_indexes(planned):  # noqa: F811 - the f
         assert not FULL_SCAN.search(text), text
         for fragment in required:
             assert fragment in text, f"expected {fragment!r} in the plan:\n{text}"
+
+
+# --- large traces ----------------------------------------------------------------------------
+
+
+def test_a_two_thousand_span_trace_folds_its_repeated_steps_into_one_row():
+    w = layout(long_trace(bytes(15) + b"\x07", 0))
+    assert len(w.rows) == 2000 and w.path_count == 2000
+    groups = [i for i in w.items if i.is_group]
+    assert len(w.items) < 20 and len(groups) == 1
+    steps = groups[0]
+    assert (steps.span.name, steps.count, len(steps.rows)) == ("decode_step", 993, 1986)
+    assert steps.on_path and {r.group for r in steps.rows} == {steps}
+    # A span folded into the group is found at the group's row.
+    assert w.find("model-server", "sample_token").anchor == steps.anchor
+
+
+def test_a_spike_page_shows_the_critical_path_of_a_wide_trace_first():
+    # A fan-out of 1,000 differently named calls: nothing to fold, so the page keeps the critical path and fills
+    # up to its limit with the rest, in tree order; the trace page has them all.
+    root = Span(trace_id=bytes(16), span_id=b"\x01" * 8, parent_span_id=None, service="gateway", host=None,
+                name="POST /search", kind=SpanKind.SERVER, start_unix_nano=0, end_unix_nano=1_000_000_000,
+                status=StatusCode.UNSET, attributes={})
+    shards = [Span(trace_id=bytes(16), span_id=(i + 2).to_bytes(8, "big"), parent_span_id=root.span_id,
+                   service="index", host=None, name=f"shard-{i}", kind=SpanKind.CLIENT, start_unix_nano=i * 1000,
+                   end_unix_nano=500_000_000 + (400_000_000 if i == 999 else i), status=StatusCode.UNSET,
+                   attributes={}) for i in range(1000)]
+    w = layout([root, *shards])
+    items, hidden = w.shown(400)
+    assert len(items) == 400 and hidden == 601
+    assert [i.span.name for i in items if i.on_path] == ["POST /search", "shard-999"]
+    assert items[1].span.name == "shard-0"  # then the rest in order

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 from collector.ingest import bearer_ok
 from collector.web import charts, links, session
 from collector.web.streams import streams_now
-from collector.web.waterfall import Waterfall, layout, mark_grown
+from collector.web.waterfall import Group, Row, Waterfall, layout, mark_grown
 from spikehound.model import Cause, CauseKind, Span, Spike
 from spikehound.timefmt import NS, parse_time, rfc3339
 from storage.page_queries import host_series, recent_windows
@@ -41,7 +41,8 @@ _TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
 STREAM_LOOKBACK_NS = 5 * 60 * NS  # the overview shows streams heard from in the last 5 minutes of their service
 BAND_LOOKBACK_NS = 3600 * NS  # the normal p99 band is drawn from the hour before a spike
 BEFORE_NS, AFTER_NS = 15 * 60 * NS, 5 * 60 * NS  # the spike page's time axis around the spike
-COLLAPSE_OVER_SPANS = 300  # larger traces open with the critical path only (a click shows every span)
+COLLAPSE_OVER_ROWS = 300  # larger waterfalls open with the critical path only (a click shows every row)
+SPIKE_PAGE_ROWS = 400  # a spike page shows at most this many rows of a trace; its trace page shows all
 SPIKE_LIST_LIMIT = 500
 DASH, TIMES = "\u2013", "\u00d7"  # what a missing value shows; "2.3x" as a person writes it
 
@@ -80,11 +81,23 @@ def _filters() -> dict[str, Callable[..., Any]]:
     def rate(value: float) -> str:
         return f"{value:.0f}" if value >= 10 else f"{value:.1f}" if value >= 0.1 else f"{value:.2f}"
 
+    def tip(item: Row | Group) -> str:
+        """The hover text of a waterfall row."""
+        s = item.span
+        if isinstance(item, Group):
+            return f"{item.count} {TIMES} {s.service} · {s.name} · {ms(item.total_ns)} in all, {len(item.rows)} spans"
+        parts = [s.service, s.name, s.kind.name, ms(s.duration_ns), *([s.host] if s.host else [])]
+        if item.on_path:
+            parts.append(f"{ms(item.path_self_ns)} of its own on the critical path")
+        if item.grown_ns is not None:
+            parts.append(f"{ms(item.normal_ns)} in the typical request")
+        return " · ".join(parts)
+
     def ratio(spike: Spike) -> str:
         return f"{spike.p99_ns / spike.baseline_p99_ns:.1f}{TIMES}" if spike.baseline_p99_ns > 0 else "no baseline"
 
     return {"ms": ms, "when": when, "clock": clock, "span_of": span_of, "ago": ago, "hue": hue, "rate": rate,
-            "value": format_value, "attrtext": format_attribute, "ratio": ratio}
+            "tip": tip, "value": format_value, "attrtext": format_attribute, "ratio": ratio}
 
 
 def format_value(value: float | None, unit: str | None) -> str:
@@ -295,8 +308,10 @@ class WebPages:
         duration = max(end - start, 1)
         # Before the spike: 15 minutes (or as long as the spike lasted), but not before the stream's first window.
         since = max(start - max(BEFORE_NS, duration), min((w.start_unix_nano for w in history), default=start))
-        axis = charts.ChartRange(since_ns=since, until_ns=end + max(AFTER_NS, duration // 3),
-                                 window_start_ns=start, window_end_ns=end)
+        # After it: 5 minutes (or a third of its length), but not past the stream's newest window.
+        newest = max((w.end_unix_nano for w in history), default=end)
+        until = max(min(end + max(AFTER_NS, duration // 3), newest), end + 10 * NS)
+        axis = charts.ChartRange(since_ns=since, until_ns=until, window_start_ns=start, window_end_ns=end)
         shown = [w for w in history if axis.since_ns <= w.start_unix_nano < axis.until_ns]
         before = [w for w in history if w.start_unix_nano < start]
         panels = [charts.latency_panel(shown, axis, spike.baseline_p99_ns / 1e6, before)]
@@ -321,10 +336,11 @@ class WebPages:
         for view in causes:
             for href, _ in view.evidence:
                 if href.startswith("#s-"):
-                    cause_marks.setdefault(href[3:], []).append(view.rank)
+                    cause_marks.setdefault(href[3:], []).append(view.rank)  # the row's anchor
         return {"spike": spike, "causes": causes, "hosts": hosts, "slow": slow, "normal": normal,
                 "slow_id": ids[0] if ids else None, "normal_id": ids[1] if len(ids) > 1 else None,
-                "cause_marks": cause_marks, "collapse_over": COLLAPSE_OVER_SPANS, "end": end,
+                "cause_marks": cause_marks, "collapse_over": COLLAPSE_OVER_ROWS, "most_rows": SPIKE_PAGE_ROWS,
+                "end": end,
                 "chart_data": {"range": [axis.since_ns / NS, axis.until_ns / NS],
                                "window": [start / NS, end / NS], "panels": panels}}
 
@@ -346,7 +362,7 @@ class WebPages:
             raise PageError(404, "not_found", "No such trace",
                             f"Trace {trace_id} is not stored (never received, or removed by retention).")
         return self.render("trace.html", trace_id=trace_id, wf=layout(spans),
-                           collapse_over=COLLAPSE_OVER_SPANS)
+                           collapse_over=COLLAPSE_OVER_ROWS)
 
 
 class PageError(Exception):
@@ -384,7 +400,7 @@ def _evidence(c: Cause, slow: Waterfall | None, hosts: list[tuple[str, list[dict
             row = slow.find(c.service, c.operation) if c.operation else slow.find(c.service)
             label = f"span {c.operation or c.service} in the slowest request"
         if row is not None:
-            out.append((f"#s-{row.span.span_id.hex()}", label))
+            out.append((f"#s-{row.anchor}", label))
     for index, (host, panels) in enumerate(hosts):
         if host != c.host:
             continue

@@ -18,6 +18,13 @@ a longer one when two traces are drawn side by side on the same scale.
 >>> mark_grown(slow, normal)
 >>> [(r.span.name, r.grown_ns and r.grown_ns // MS) for r in slow.rows]  # the query's own time: 60 ms more
 [('root', None), ('query', 60)]
+
+Ten decode steps under one parent are one row, a group:
+
+>>> steps = layout([span(1, None, 0, 100, "generate")] + [span(i, 1, 10 * i - 18, 10 * i - 10, "step")
+...                                                      for i in range(2, 12)])
+>>> [(i.span.name, i.count if i.is_group else 1) for i in steps.items], steps.items[1].width_pct
+([('generate', 1), ('step', 10)], 98.0)
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ GROWN_MIN_NS = 1 * MS
 # ...and by this share of the whole trace's added latency, and of its own normal time.
 GROWN_SHARE_OF_ADDED = 0.10
 GROWN_SHARE_OF_NORMAL = 0.20
+# This many siblings in a row with the same service and name are shown as one row.
+GROUP_MIN = 8
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Row:
     """One span of a waterfall."""
 
@@ -49,6 +58,48 @@ class Row:
     path_self_ns: int  # its own time on the critical path (0 when off the path)
     grown_ns: int | None = None  # critical-path time added against the normal trace, when grown
     normal_ns: int | None = None  # that component's critical-path time in the normal trace
+    group: Group | None = None  # the group of repeated siblings it is folded into
+    is_group = False
+
+    @property
+    def anchor(self) -> str:
+        """The id of what shows this span on a page: its own row, or the group it is folded into."""
+        return self.group.anchor if self.group is not None else self.span.span_id.hex()
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """A run of GROUP_MIN or more siblings with the same service and name (a thousand decode steps, a fan-out
+    of shard reads), shown as one row; ``rows`` are the members with their subtrees, in tree order."""
+
+    first: Row
+    count: int  # members
+    rows: list[Row]
+    offset_pct: float
+    width_pct: float  # from the first member's start to the last member's end
+    total_ns: int  # the members' durations added up
+    grown_ns: int | None = None
+    is_group = True
+
+    @property
+    def span(self) -> Span:
+        return self.first.span
+
+    @property
+    def depth(self) -> int:
+        return self.first.depth
+
+    @property
+    def anchor(self) -> str:
+        return self.first.span.span_id.hex()
+
+    @property
+    def on_path(self) -> bool:
+        return any(r.on_path for r in self.rows)
+
+    @property
+    def path_self_ns(self) -> int:
+        return sum(r.path_self_ns for r in self.rows)
 
 
 @dataclass(slots=True)
@@ -61,6 +112,18 @@ class Waterfall:
     duration_ns: int
     scale_ns: int
     path_ns: dict[tuple[str, str], int] = field(default_factory=dict)  # critical-path time per (service, name)
+    items: list[Row | Group] = field(default_factory=list)  # what a page shows: rows, and groups in their place
+
+    def shown(self, most: int) -> tuple[list[Row | Group], int]:
+        """At most ``most`` items, the critical path and grown ones first, in tree order; and how many spans
+        that leaves out."""
+        if len(self.items) <= most:
+            return self.items, 0
+        keep = [i for i, item in enumerate(self.items) if item.on_path or item.grown_ns is not None][:most]
+        chosen = set(keep)
+        keep += [i for i in range(len(self.items)) if i not in chosen][:most - len(keep)]
+        items = [self.items[i] for i in sorted(keep)]
+        return items, len(self.rows) - sum(len(i.rows) if isinstance(i, Group) else 1 for i in items)
 
     @property
     def path_count(self) -> int:
@@ -139,7 +202,44 @@ def layout(spans: Sequence[Span], *, scale_ns: int | None = None) -> Waterfall:
                         on_path=s.span_id in path, path_self_ns=path.get(s.span_id, 0)))
         stack += [(c, depth + 1) for c in reversed(order(children.get(s.span_id, [])))]
     return Waterfall(trace_id=next(iter(by_id.values())).trace_id.hex(), rows=rows, start_ns=start,
-                     duration_ns=duration, scale_ns=scale, path_ns=dict(path_ns))
+                     duration_ns=duration, scale_ns=scale, path_ns=dict(path_ns), items=_grouped(rows, scale))
+
+
+def _grouped(rows: list[Row], scale: int) -> list[Row | Group]:
+    """Rows in tree order with every run of GROUP_MIN or more same-named siblings folded into a Group."""
+    n = len(rows)
+    end = list(range(n))  # the last row of each row's subtree
+    open_rows: list[int] = []
+    for i, r in enumerate(rows):
+        while open_rows and rows[open_rows[-1]].depth >= r.depth:
+            open_rows.pop()
+        open_rows.append(i)
+        for j in open_rows:
+            end[j] = i
+    items: list[Row | Group] = []
+    i = 0
+    while i < n:
+        r = rows[i]
+        members = [i]
+        while len(members) < n:  # the siblings after it with the same service and name
+            k = end[members[-1]] + 1
+            if k >= n or rows[k].depth != r.depth or rows[k].span.parent_span_id != r.span.parent_span_id \
+                    or component(rows[k].span) != component(r.span):
+                break
+            members.append(k)
+        if len(members) < GROUP_MIN:
+            items.append(r)
+            i += 1
+            continue
+        last = rows[members[-1]].span
+        group = Group(first=r, count=len(members), rows=rows[i:end[members[-1]] + 1], offset_pct=r.offset_pct,
+                      width_pct=round(100 * max(last.end_unix_nano - r.span.start_unix_nano, 0) / scale, 3),
+                      total_ns=sum(rows[m].span.duration_ns for m in members))
+        for member in group.rows:
+            member.group = group
+        items.append(group)
+        i = end[members[-1]] + 1
+    return items
 
 
 def mark_grown(slow: Waterfall, normal: Waterfall) -> None:
@@ -155,3 +255,7 @@ def mark_grown(slow: Waterfall, normal: Waterfall) -> None:
         grown = after - before
         if grown >= max(GROWN_MIN_NS, GROWN_SHARE_OF_ADDED * added, GROWN_SHARE_OF_NORMAL * before):
             r.grown_ns, r.normal_ns = grown, before
+    for item in slow.items:
+        if isinstance(item, Group):
+            grown_by = {component(r.span): r.grown_ns for r in item.rows if r.grown_ns is not None}
+            item.grown_ns = sum(grown_by.values()) if grown_by else None

@@ -35,6 +35,9 @@
     var el = id && document.getElementById(id);
     if (!el) return;
     if (el.tagName === "DETAILS") el.open = true;
+    for (var d = el.parentElement && el.parentElement.closest("details"); d; d = d.parentElement && d.parentElement.closest("details")) {
+      d.open = true; // a span folded into a group: open the group
+    }
     var wf = el.closest(".waterfall");
     var box = wf && wf.querySelector(".cp-only input");
     if (box && box.checked && !el.classList.contains("cp") && !(el.querySelector(".cp"))) box.checked = false;
@@ -77,15 +80,16 @@
         el.title = "the spike";
         u.over.appendChild(el);
       }
+      var plotWidth = u.bbox.width / uPlot.pxRatio; // not u.over.clientWidth: reading layout mid-draw forces it
       var left = Math.max(u.valToPos(windowRange[0], "x"), 0);
-      var right = Math.min(u.valToPos(windowRange[1], "x"), u.over.clientWidth);
+      var right = Math.min(u.valToPos(windowRange[1], "x"), plotWidth);
       el.style.left = left + "px";
       el.style.width = Math.max(right - left, 2) + "px";
-      el.hidden = right < 0 || left > u.over.clientWidth;
+      el.hidden = right < 0 || left > plotWidth;
     };
   }
 
-  function buildChart(panel, data, box) {
+  function buildChart(panel, data, box, width) {
     var fmt = formatter(panel.unit);
     var legend = function (u, v) { return fmt(v); };
     var series = [{label: "time (UTC)"}];
@@ -118,7 +122,7 @@
       ? function (u, min, max) { return [0, Math.max(100, max || 0)]; }
       : function (u, min, max) { return [0, max > 0 ? max * 1.12 : 1]; };
     var opts = {
-      width: Math.max(box.clientWidth, 200),
+      width: width,
       height: panel.kind === "latency" ? 230 : 150,
       tzDate: function (ts) { return uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"); },
       scales: {x: {time: true, auto: false, range: function () { return data.view.slice(); }},
@@ -155,10 +159,14 @@
     var data = JSON.parse(block.textContent);
     data.view = data.range.slice();
     window.spikehound.data = data;
-    data.panels.forEach(function (panel) {
-      var box = document.querySelector('.chart[data-panel="' + panel.id + '"]');
-      if (!box) return;
-      var chart = buildChart(panel, data, box);
+    // Every width is read before any chart is made: one layout, not one per chart.
+    var boxes = data.panels.map(function (panel) {
+      return document.querySelector('.chart[data-panel="' + panel.id + '"]');
+    });
+    var widths = boxes.map(function (box) { return box ? Math.max(box.clientWidth, 200) : 0; });
+    data.panels.forEach(function (panel, i) {
+      if (!boxes[i]) return;
+      var chart = buildChart(panel, data, boxes[i], widths[i]);
       chart.over.addEventListener("dblclick", function () { setView(data.range.slice()); });
       charts.push(chart);
     });
@@ -185,6 +193,7 @@
     drawCharts();
     openTarget();
     window.addEventListener("hashchange", openTarget);
-    document.documentElement.dataset.ready = "1";
+    document.documentElement.dataset.ready = "1"; // everything placed and drawn (tests and the benchmark wait for it)
+    if (window.performance && performance.mark) performance.mark("spikehound-ready");
   });
 })();
