@@ -20,7 +20,8 @@ so nothing is cached)
    ``/ui/spikes/{id}`` and waits until the page's script has placed every
    waterfall bar and drawn every chart (its ``spikehound-ready`` performance
    mark): that time from navigation start is the load time a person waits. Also
-   first contentful paint, the bytes transferred and the page's element count.
+   first contentful paint, the bytes transferred and the page's element count,
+   and the same time on a second visit (scripts and styles cached).
 2. **Reference, same browser, same run** -- the login page (``/ui/login``): the
    same style sheet, script and chart library, no data. The difference is what
    the spike's data costs.
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -155,21 +157,28 @@ PAGE_FIGURES = """() => {
 }"""
 
 
-def browser_runs(url: str, runs: int) -> list[dict[str, Any]]:
+def browser_runs(url: str, runs: int, *, warm: bool = False) -> list[dict[str, Any]]:
+    """Page figures of ``runs`` loads: each in a fresh context (cold), or all in one whose cache holds the
+    scripts and styles from a first, uncounted load (warm: a second visit)."""
     from playwright.sync_api import sync_playwright
 
     out = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            for _ in range(runs):
-                context = browser.new_context(viewport={"width": 1400, "height": 900})
+            context = None
+            for i in range(runs + warm):
+                if context is None or not warm:
+                    context = browser.new_context(viewport={"width": 1400, "height": 900})
                 page = context.new_page()
                 page.goto(url)
                 page.wait_for_selector("html[data-ready='1']", timeout=60_000)
                 page.wait_for_timeout(50)  # first-contentful-paint is recorded after the frame
-                out.append(page.evaluate(PAGE_FIGURES))
-                context.close()
+                if not (warm and i == 0):
+                    out.append(page.evaluate(PAGE_FIGURES))
+                page.close()
+                if not warm:
+                    context.close()
         finally:
             browser.close()
     return out
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"the API serves {served} spans of the long trace, not {args.spans}")
             page_url = f"{collector.api}/ui/spikes/{spike['id']}"
             fetch(page_url)  # the first read warms SQLite's page cache, as any later visit finds it
+            load_before = round(os.getloadavg()[0], 2)
             html = [fetch(page_url) for _ in range(args.runs)]
             api = [fetch(f"{collector.api}/api/v1/traces/{trace_id}") for _ in range(args.runs)]
             result: dict[str, Any] = {
@@ -210,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 "api_trace_bytes": api[0][2], "api_trace_gzip_bytes": api[0][1], "browser": None}
             if CHROMIUM.exists():
                 result["browser"] = {"spike": browser_runs(page_url, args.runs),
+                                     "spike_warm": browser_runs(page_url, args.runs, warm=True),
                                      "reference_login": browser_runs(f"{collector.api}/ui/login", args.runs)}
             elif args.require_browser:
                 raise SystemExit(f"{CHROMIUM} is missing (tests/install-chromium.sh installs it)")
+            result["load_before"], result["load_after"] = load_before, round(os.getloadavg()[0], 2)
         finally:
             collector.kill()
     report(result, args.json)
@@ -224,13 +236,16 @@ def report(r: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(r))
         return
     print(f"spike page with a {r['spans']}-span slow exemplar; {r['runs']} runs each; "
-          f"scenario sent and judged in {r['scenario_seconds']} s")
+          f"scenario sent and judged in {r['scenario_seconds']} s; load average {r['load_before']} before the "
+          f"page loads, {r['load_after']} after ({os.cpu_count()} cores: other work slows every figure alike)")
     print(f"{'':48} {'median':>8} {'worst':>8}")
     b = r["browser"]
     if b:
         spike, ref = b["spike"], b["reference_login"]
-        print(f"{'browser: spike page ready (charts drawn), ms':48} {summary([x['ready_ms'] for x in spike])}")
+        print(f"{'browser: spike page ready (charts drawn), cold, ms':48} {summary([x['ready_ms'] for x in spike])}")
         print(f"{'browser: spike page first contentful paint, ms':48} {summary([x['fcp_ms'] for x in spike])}")
+        print(f"{'browser: spike page ready, second visit, ms':48} "
+              f"{summary([x['ready_ms'] for x in b['spike_warm']])}")
         print(f"{'browser: reference, login page ready, ms':48} {summary([x['ready_ms'] for x in ref])}")
         print(f"{'browser: spike page transferred, kB':48} {spike[0]['bytes'] / 1000:8.1f}"
               f"   ({spike[0]['elements']} elements; reference {ref[0]['bytes'] / 1000:.1f} kB)")

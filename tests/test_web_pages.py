@@ -20,15 +20,26 @@ from typing import Any
 import pytest
 import requests
 
+from benchmarks.traffic import NS
 from benchmarks.web_page import long_trace
 from collector.web import session
 from collector.web.routes import STATIC
 from collector.web.waterfall import layout
 from spikehound.model import Span, SpanKind, StatusCode
+from spikehound.otlp import encode_spans
 from storage.page_queries import host_series, recent_windows
 from tests.daemons import CollectorThread
+from tests.scenario_io import send
 from tests.test_storage import FULL_SCAN, T0, planned  # noqa: F401 - planned is a fixture
-from tests.web_scenarios import EVIL_ATTRIBUTE, EVIL_SERVICE, EVIL_SPAN, SpikeData, collector_on_copy, spike_database
+from tests.web_scenarios import (
+    EVIL_ATTRIBUTE,
+    EVIL_SERVICE,
+    EVIL_SPAN,
+    START_S,
+    SpikeData,
+    collector_on_copy,
+    spike_database,
+)
 
 pytestmark = pytest.mark.slow
 TOKEN = "page-secret-7"
@@ -302,3 +313,18 @@ def test_a_spike_page_shows_the_critical_path_of_a_wide_trace_first():
     assert len(items) == 400 and hidden == 601
     assert [i.span.name for i in items if i.on_path] == ["POST /search", "shard-999"]
     assert items[1].span.name == "shard-0"  # then the rest in order
+
+
+def test_the_trace_page_folds_repeated_spans_until_asked(site: CollectorThread):
+    # Sent now, stamped in the first minute of the data: stored as a late trace, counted in no window.
+    trace_id = "5e" * 16
+    send(site.http_endpoint, [("traces", encode_spans(long_trace(bytes.fromhex(trace_id), (START_S + 10) * NS))
+                               .SerializeToString())])
+    folded = get(site.api, f"/ui/traces/{trace_id}").text
+    # The waterfall, its 14 spans that stand alone, and one row for 993 decode steps with their sampling spans.
+    assert folded.count('id="span-') == 1 + 15 and "decode_step <span class=\"times\">&times; 993</span>" in folded
+    expand = re.search(r'href="/ui/traces/5e+\?expand=([0-9a-f]{16})#span-\1"', folded)
+    assert expand, "the folded row links to its unfolded members"
+    unfolded = get(site.api, f"/ui/traces/{trace_id}?expand={expand.group(1)}").text
+    assert unfolded.count('id="span-') == 1 + 2001  # the waterfall; 14 spans, the open group and its 1,986 spans
+    assert unfolded.count("<details") == 2001

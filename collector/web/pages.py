@@ -354,14 +354,15 @@ class WebPages:
         trace_id = request.match_info["trace_id"]
         if not _TRACE_ID.match(trace_id):
             raise PageError(400, "bad_request", "Not a trace id", "A trace id is 32 hexadecimal digits.")
-        return self._html(await self._run(self.trace_html, trace_id.lower()))
+        expand = request.query.get("expand") or None
+        return self._html(await self._run(self.trace_html, trace_id.lower(), expand))
 
-    def trace_html(self, trace_id: str) -> str:
+    def trace_html(self, trace_id: str, expand: str | None = None) -> str:
         spans = self.reader.trace(bytes.fromhex(trace_id))
         if not spans:
             raise PageError(404, "not_found", "No such trace",
                             f"Trace {trace_id} is not stored (never received, or removed by retention).")
-        return self.render("trace.html", trace_id=trace_id, wf=layout(spans),
+        return self.render("trace.html", trace_id=trace_id, wf=layout(spans), expand=expand,
                            collapse_over=COLLAPSE_OVER_ROWS)
 
 

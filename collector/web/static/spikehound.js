@@ -189,6 +189,7 @@
 
   window.spikehound = {charts: charts, data: null};
   document.addEventListener("DOMContentLoaded", function () {
+    if (window.performance && performance.mark) performance.mark("spikehound-start");
     placeBars();
     drawCharts();
     openTarget();
