@@ -28,8 +28,8 @@ from collector.web.waterfall import layout
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
 from storage.page_queries import host_series, recent_windows
-from tests.daemons import CollectorThread
-from tests.scenario_io import send
+from tests.daemons import CollectorThread, collector_config
+from tests.scenario_io import scenario_requests, send
 from tests.test_storage import FULL_SCAN, T0, planned  # noqa: F401 - planned is a fixture
 from tests.web_scenarios import (
     EVIL_ATTRIBUTE,
@@ -38,6 +38,7 @@ from tests.web_scenarios import (
     START_S,
     SpikeData,
     collector_on_copy,
+    scenarios,
     spike_database,
 )
 
@@ -328,3 +329,21 @@ def test_the_trace_page_folds_repeated_spans_until_asked(site: CollectorThread):
     unfolded = get(site.api, f"/ui/traces/{trace_id}?expand={expand.group(1)}").text
     assert unfolded.count('id="span-') == 1 + 2001  # the waterfall; 14 spans, the open group and its 1,986 spans
     assert unfolded.count("<details") == 2001
+
+
+def test_an_open_spike_comes_first_on_the_overview(tmp_path: Path):
+    sc = scenarios()[0]
+    with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'open.db'}")) as collector:
+        # Up to 25 s into the fault: the spike is open by then (one window plus the lateness).
+        send(collector.http_endpoint, scenario_requests(sc)[:2 * (int(sc.onset_s) + 25)])
+        deadline = time.monotonic() + 30
+        while not requests.get(f"{collector.api}/api/v1/spikes?state=open", timeout=10).json()["spikes"]:
+            assert time.monotonic() < deadline, "no spike opened"
+            time.sleep(0.25)
+        page = get(collector.api, "/ui/").text
+    open_section = page.split("<h2>Streams now</h2>")[0]
+    assert "No spike is open" not in open_section and "GPU utilization (GPU-2) fell" in html.unescape(open_section)
+    streams = rows_of(page, "streams")
+    spiking = [r for r in streams if r.endswith("open spike")]
+    assert spiking and streams[:len(spiking)] == spiking  # the streams with an open spike lead the table
+    assert any(r.startswith("gateway POST /v1/predict") for r in spiking)
