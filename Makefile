@@ -34,3 +34,14 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+# The browser tests of the web pages (tests/test_web_browser.py) and their benchmark drive Debian's chromium:
+# installed here when missing (as root, as CI runs); without it they skip and say why.
+.PHONY: chromium bench-web-page
+test: chromium
+chromium:
+	sh tests/install-chromium.sh
+
+bench: bench-web-page
+bench-web-page: $(STAMP) chromium
+	$(BIN)/python -m benchmarks.web_page

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from collector.ingest import bearer_ok
 from collector.openapi import openapi_document
 from collector.telemetry import CollectorTelemetry
+from collector.web.routes import add_web_pages, is_web_path
 from detectors.critical_path import critical_path
 from spikehound.model import Cause, Span, Spike
 from spikehound.timefmt import NS, parse_time, rfc3339
@@ -52,7 +53,8 @@ def make_api(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[], 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if token and request.path not in _OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), token):
+        if (token and request.path not in _OPEN_PATHS and not is_web_path(request.path)  # pages check it themselves
+                and not bearer_ok(request.headers.get("Authorization"), token)):
             return _json({"error": "missing or wrong bearer token"}, 401)
         try:
             return await handler(request)
@@ -81,6 +83,7 @@ def make_api(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[], 
     r.add_get("/api/v1/metrics", get_metrics)
     r.add_get("/api/v1/spikes", get_spikes)
     r.add_get("/api/v1/spikes/{spike_id}", get_spike)
+    add_web_pages(app, reader, app[EXECUTOR], token, telemetry.registry)
     from collector.analysis_api import add_analysis_routes  # here: it builds on this module's helpers
 
     add_analysis_routes(app)

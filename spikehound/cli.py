@@ -174,6 +174,9 @@ def cmd_spike(args: argparse.Namespace) -> int:
         print(f"  {rank}. [{cause['kind']}] {cause['summary']} (explains {cause['score']:.0%} of the added latency)")
     for trace_id in spike["exemplar_trace_ids"]:
         print(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}")
+    from collector.web.links import spike_page_url
+
+    print(f"  page  {spike_page_url(args.api_url, spike['id'])}")
     return 0
 
 

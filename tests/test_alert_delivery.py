@@ -137,7 +137,7 @@ def test_slack_message_names_the_cause_links_the_evidence_and_keeps_block_kit_li
     assert SLOW_QUERY.summary in text and "96%" in text  # the top cause, with its numbers
     assert text.index(SLOW_QUERY.summary) < text.index(PREPROCESS.summary)
     urls = [e["url"] for b in message["blocks"] if b["type"] == "actions" for e in b["elements"]]
-    assert urls == [f"{PUBLIC}/api/v1/spikes/{s.id}", f"{PUBLIC}/api/v1/traces/e5bf1bc448df2524ea2e57ed82473184"]
+    assert urls == [f"{PUBLIC}/ui/spikes/{s.id}", f"{PUBLIC}/ui/traces/e5bf1bc448df2524ea2e57ed82473184"]
     assert "Top cause: " + SLOW_QUERY.summary in message["text"]  # the notification's plain-text fallback
 
     check_block_kit(resolved.json)
@@ -189,7 +189,7 @@ def test_webhook_keeps_alertmanager_fields_is_signed_and_a_tampered_body_fails(t
     assert set(alert) >= ALERT_KEYS
     assert alert["labels"]["service"] == "gateway" and alert["labels"]["operation"] == "POST /v1/predict"
     assert alert["startsAt"] == "2026-01-01T00:00:01Z" and alert["endsAt"] == "0001-01-01T00:00:00Z"
-    assert alert["generatorURL"] == f"{PUBLIC}/api/v1/spikes/{s.id}"
+    assert alert["generatorURL"] == f"{PUBLIC}/ui/spikes/{s.id}"
     (shown,) = body["spikehound"]["spikes"]
     assert [c["summary"] for c in shown["causes"]] == [SLOW_QUERY.summary, PREPROCESS.summary]
     assert shown["p99_ms"] == 219.0 and shown["baseline_p99_ms"] == 69.0

@@ -63,6 +63,7 @@ from collector.alerts.notification import (
     spike_doc,
 )
 from collector.alerts.silences import Silence
+from collector.web.links import spike_page_url, trace_page_path
 from spikehound.config import AlertsConfig, RouteConfig
 from spikehound.model import Spike
 
@@ -397,9 +398,9 @@ class Router:
 
     def _item(self, a: AlertState, status: str) -> AlertItem:
         doc = a.spike
-        spike_url = f"{self.base_url}/api/v1/spikes/{doc['id']}"
+        spike_url = spike_page_url(self.base_url, doc["id"])  # the web page: chart, causes, waterfalls
         exemplars = doc["exemplar_trace_ids"]
-        trace_url = f"{self.base_url}/api/v1/traces/{exemplars[0]}" if exemplars else None
+        trace_url = self.base_url.rstrip("/") + trace_page_path(exemplars[0]) if exemplars else None
         top = doc["causes"][0]["summary"] if doc["causes"] else NO_CAUSE
         annotations = {"summary": describe(doc), "description": top, "spike_id": doc["id"],
                        "p99_ms": f"{doc['p99_ms']:.1f}", "baseline_p99_ms": f"{doc['baseline_p99_ms']:.1f}",

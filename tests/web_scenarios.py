@@ -1,0 +1,116 @@
+"""Data and a browser for the web page tests: real spikes from the scenario generator, and Debian's Chromium.
+
+``spike_database()`` sends two scenarios of ``benchmarks/traffic.py`` as real
+OTLP/HTTP requests to a real collector, once per test session, and keeps the
+SQLite file; each test module starts its own collector on a copy of it:
+
+* ``gpu_drop``: the GPU of gpu-2 slows down (its utilization falls, its clocks
+  throttle); the spike on ``gateway POST /v1/predict`` names it.
+* one hour later, ``slow_db`` sent by a hostile service: the slow feature query
+  is named ``<img src=x onerror=alert(1)>`` and carries script in its
+  attributes, and the postprocess service calls itself ``<svg/onload=...>``.
+  The spike's causes, waterfalls and every list then carry these names.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from benchmarks.traffic import NS, Batch, Scenario
+from spikehound.model import Span
+from tests.daemons import CollectorThread, collector_config
+from tests.scenario_io import scenario_requests, send
+
+CHROMIUM = Path("/usr/bin/chromium")
+# As root there is no sandbox; without the background-networking flags Chromium keeps calling home, which
+# this machine's closed network refuses.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                 "--disable-background-networking", "--disable-component-update"]
+
+EVIL_SPAN = "<img src=x onerror=alert(1)>"
+EVIL_ATTRIBUTE = "<script>alert(2)</script>"
+EVIL_SERVICE = "<svg/onload=alert(3)>"
+START_S = 1_767_225_600  # 2026-01-01T00:00:00Z
+
+
+class HostileScenario(Scenario):
+    """A scenario whose senders put markup in span names, service names and attributes."""
+
+    def batches(self) -> Iterator[Batch]:
+        for batch in super().batches():
+            batch.spans = [_hostile(s) for s in batch.spans]
+            yield batch
+
+
+def _hostile(s: Span) -> Span:
+    name = EVIL_SPAN if s.name == "SELECT features" else s.name
+    service = EVIL_SERVICE if s.service == "postprocess" else s.service
+    if (name, service) == (s.name, s.service):
+        return s
+    attributes = {"db.statement": EVIL_ATTRIBUTE, EVIL_ATTRIBUTE: "a key with markup"} if name == EVIL_SPAN else {}
+    return Span(trace_id=s.trace_id, span_id=s.span_id, parent_span_id=s.parent_span_id, service=service,
+                host=s.host, name=name, kind=s.kind, start_unix_nano=s.start_unix_nano,
+                end_unix_nano=s.end_unix_nano, status=s.status, attributes=attributes, resource=s.resource)
+
+
+def scenarios() -> list[Scenario]:
+    common: dict[str, Any] = {"strength": "large", "seed": 3, "minutes": 5, "onset_s": 212.0, "fault_s": 60.0}
+    return [Scenario("gpu_drop", start_ns=START_S * NS, **common),
+            HostileScenario("slow_db", start_ns=(START_S + 3600) * NS, **common)]
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeData:
+    path: Path  # a SQLite database holding both scenarios, their windows, samples and spikes
+    gpu_spike: dict[str, Any]  # the gpu_drop spike on gateway POST /v1/predict (API shape)
+    hostile_spike: dict[str, Any]  # the slow_db spike on gateway POST /v1/predict, named by the hostile sender
+
+
+@functools.cache
+def spike_database() -> SpikeData:
+    """Built once per test session (about 40 s on two cores), removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="spikehound-web-"))
+    atexit.register(shutil.rmtree, folder, True)
+    path = folder / "spikes.db"
+    with CollectorThread(collector_config(f"sqlite:///{path}")) as collector:
+        for sc in scenarios():
+            send(collector.http_endpoint, scenario_requests(sc))
+        spikes = _settled(collector)
+    gateway = sorted((s for s in spikes if (s["service"], s["operation"]) == ("gateway", "POST /v1/predict")),
+                     key=lambda s: s["start"])
+    assert len(gateway) == 2, f"expected a spike on the gateway in each scenario, got {spikes}"
+    return SpikeData(path, gateway[0], gateway[1])
+
+
+def _settled(collector: CollectorThread, timeout: float = 60) -> list[dict[str, Any]]:
+    """The spikes once every window is closed and every spike resolved (the windows counter stopped)."""
+    deadline = time.monotonic() + timeout
+    last, since = -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        closed = collector.metric("spikehound_latency_windows_closed_total")
+        if closed != last:
+            last, since = closed, time.monotonic()
+        elif time.monotonic() - since > 3:
+            spikes = requests.get(f"{collector.api}/api/v1/spikes", timeout=10).json()["spikes"]
+            if spikes and all(s["state"] == "resolved" for s in spikes):
+                return spikes
+        time.sleep(0.25)
+    raise AssertionError("the collector did not settle")
+
+
+def collector_on_copy(data: SpikeData, folder: Path, **settings: Any) -> CollectorThread:
+    """A collector (not started) on a copy of the scenario database."""
+    copy = folder / "spikes.db"
+    for part in data.path.parent.glob(data.path.name + "*"):  # the database, and its WAL if one is left
+        shutil.copyfile(part, folder / part.name)
+    return CollectorThread(collector_config(f"sqlite:///{copy}", **settings))
