@@ -133,6 +133,10 @@ class IngestPipeline:
                 await self._commit(taken)
             else:
                 await self._tick()
+            # Also under continuous ingest: a SIGKILL loses at most checkpoint_seconds of learned state.
+            if time.monotonic() >= self._next_checkpoint:
+                self._next_checkpoint = time.monotonic() + self.cfg.detection.checkpoint_seconds
+                await self.checkpoint()
         # Open windows are not flushed: they are in the checkpoint, and a restart continues them.
         await self._write_pending()
         await self.checkpoint()
@@ -263,7 +267,7 @@ class IngestPipeline:
         await asyncio.sleep(delay)
 
     async def _tick(self) -> None:
-        """With no input: let the watermark catch up, write what the detectors closed, checkpoint, retention."""
+        """With no input: let the watermark catch up, write what the detectors closed, run retention."""
         c = self.cfg.collector
         idle = time.monotonic() - self._last_input
         if idle >= c.idle_flush_seconds:
@@ -273,9 +277,6 @@ class IngestPipeline:
             self._pending.spikes.extend(detected.spikes)
         if not await self._write_pending():
             return
-        if time.monotonic() >= self._next_checkpoint:
-            self._next_checkpoint = time.monotonic() + self.cfg.detection.checkpoint_seconds
-            await self.checkpoint()
         if time.monotonic() >= self._next_retention:
             self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
             await self.run_retention()

@@ -143,3 +143,24 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
         assert spike["id"] == earlier["id"] and spike["start"] == earlier["start"]
         assert spike["state"] == "resolved" and spike["end"] is not None
         assert spike["baseline_p99_ms"] == earlier["baseline_p99_ms"]
+
+
+def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Path):
+    from storage import checkpoints
+    from storage.engine import make_engine
+
+    bodies = scenario_requests(Scenario("steady", seed=4, minutes=1))
+    db = f"sqlite:///{tmp_path / 'spikehound.db'}"
+    # Idle flushes never happen while data keeps coming: the checkpoint must not wait for one.
+    cfg = collector_config(db, detection__checkpoint_seconds=0.5, collector__idle_flush_seconds=3600)
+    with CollectorThread(cfg) as live:
+        engine = make_engine(db)
+        deadline = time.monotonic() + 60
+        saved = None
+        for i in range(0, len(bodies), 4):
+            send(live.http_endpoint, bodies[i:i + 4])
+            saved = checkpoints.load(engine, "detection")
+            if saved is not None or time.monotonic() > deadline:
+                break
+        engine.dispose()
+    assert saved is not None, "no checkpoint while ingest never went idle"
