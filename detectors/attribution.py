@@ -189,7 +189,11 @@ def _component_cause(key: Key, host: str | None, score: float, base: float, obs:
 
 
 def _join_resources(causes: list[Cause], flags: Sequence[ResourceFlag]) -> list[Cause]:
-    """Put each flagged resource of a host that served a top cause just ahead of that cause."""
+    """Put each flagged resource of a host that served a top cause, and that can explain it, just ahead of it.
+
+    A GPU or CPU explains a span's (or service's) own time; network errors, drops and retransmits explain a
+    hop. A flag that cannot explain the cause beside it (CPU steal next to a slow network hop) is left out.
+    """
     if not flags:
         return causes
     out: list[Cause] = []
@@ -198,7 +202,7 @@ def _join_resources(causes: list[Cause], flags: Sequence[ResourceFlag]) -> list[
         if len(out) < 3 and cause.host is not None:  # only the top components are explained by their host
             for flag in sorted(flags, key=lambda f: (-f.severity, f.metric, f.series)):
                 marker = (flag.host, flag.metric, flag.series)
-                if flag.host != cause.host or marker in used:
+                if flag.host != cause.host or marker in used or cause.kind.value not in flag.explains:
                     continue
                 used.add(marker)
                 what = f"{cause.operation} of {cause.service}" if cause.operation else f"service {cause.service}"

@@ -54,6 +54,9 @@ class Rule:
     absent: tuple[str, ...] = ()  # attributes that must not be there (whole machine, not one core)
     ignore: tuple[tuple[str, tuple[str, ...]], ...] = ()  # attribute values that are never harmful
     percent: bool = False  # shown as a percentage in sentences
+    # Cause kinds whose growth this resource can explain on the host that served them: a GPU or CPU for a
+    # span's own work, the network for a hop. Attribution joins a flag only to such a cause.
+    explains: tuple[str, ...] = ("span", "service")
 
     def matches(self, attributes: dict[str, Any]) -> bool:
         return (all(attributes.get(k) == v for k, v in self.match)
@@ -71,11 +74,12 @@ RULES: tuple[Rule, ...] = (
     Rule("nvidia.gpu.xid.errors", "GPU XID errors", +1, 1e-6, 1e-6),
     Rule("system.cpu.utilization", "CPU utilization", +1, 0.15, 0.85, match=(("cpu.mode", "busy"),),
          absent=("cpu.logical_number",), percent=True),
-    Rule("system.cpu.utilization", "CPU steal", +1, 0.05, 0.05, match=(("cpu.mode", "steal"),),
+    # Steal of a few percent comes and goes on any shared VM; a fifth of the CPU taken away slows real work.
+    Rule("system.cpu.utilization", "CPU steal", +1, 0.1, 0.2, match=(("cpu.mode", "steal"),),
          absent=("cpu.logical_number",), percent=True),
-    Rule("system.network.errors", "network errors", +1, 1.0, 1.0),
-    Rule("system.network.dropped", "dropped packets", +1, 1.0, 1.0),
-    Rule("system.network.tcp.retransmits", "TCP retransmits", +1, 5.0, 5.0),
+    Rule("system.network.errors", "network errors", +1, 1.0, 1.0, explains=("network",)),
+    Rule("system.network.dropped", "dropped packets", +1, 1.0, 1.0, explains=("network",)),
+    Rule("system.network.tcp.retransmits", "TCP retransmits", +1, 5.0, 5.0, explains=("network",)),
     Rule("system.memory.utilization", "memory utilization", +1, 0.03, 0.92, percent=True),
     Rule("system.paging.utilization", "swap utilization", +1, 0.1, 0.1, percent=True),
 )
@@ -98,6 +102,7 @@ class ResourceFlag:
     unit: str
     severity: float  # the detector's score: robust standard deviations the harmful way
     summary: str
+    explains: tuple[str, ...] = ("span", "service")  # cause kinds it can explain (see Rule.explains)
 
 
 class ResourceDetector(base.AnomalyDetector):
@@ -278,7 +283,7 @@ class ResourceWatch:
         return ResourceFlag(host=series.host, metric=series.metric, series=series.series, window_start_ns=start,
                             window_end_ns=start + self.window_ns, baseline=round(baseline, 4),
                             observed=round(value, 4), unit=series.unit, severity=round(score, 2),
-                            summary=_sentence(rule, series, baseline, value))
+                            summary=_sentence(rule, series, baseline, value), explains=rule.explains)
 
 
 def _sentence(rule: Rule, series: _Series, baseline: float, value: float) -> str:
