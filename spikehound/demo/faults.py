@@ -1,0 +1,79 @@
+"""The faults the demo injects, and what a correct explanation of each one names.
+
+A cause (the API's Cause JSON) *matches* a fault when it names the component
+the fault was injected into: the span that was made slow (or, where all of
+its work slowed, its service), the network hop that was delayed, or the
+resource that really is the fault (the GPU's clock throttling; CPU for
+CPU-bound work). A resource cause reads "X rose on host H, which served the
+slow <component>": it also matches when that component is the faulty one,
+since it sends the reader to the right place.
+
+>>> cpu = FAULTS["cpu"]
+>>> cpu.matches({"kind": "span", "service": "preprocess", "operation": "resize"})
+True
+>>> cpu.matches({"kind": "network", "service": "preprocess", "operation": "POST /preprocess",
+...              "peer_service": "gateway"})
+False
+>>> FAULTS["gpu"].matches({"kind": "resource", "service": "model-server", "operation": "queue_wait",
+...                        "resource": "nvidia.gpu.throttle"})
+True
+>>> FAULTS["slow-query"].matches({"kind": "resource", "service": "preprocess", "operation": "resize",
+...                               "resource": "system.cpu.utilization"})
+False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spikehound.demo import feature_store
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    key: str  # its name on the command line
+    title: str
+    injected: str  # what the demo really does, in one line
+    kind: str  # "span" or "network": the component a cause should name
+    service: str
+    operation: str
+    peer_service: str | None = None
+    service_ok: bool = False  # the whole service is an acceptable answer (all of its work slowed)
+    resources: tuple[str, ...] = ()  # resource causes on the service that name the fault itself
+    resource_anywhere: bool = False  # ... whichever component they were joined to (the GPU itself is the fault)
+    simulated: bool = False
+
+    @property
+    def expected(self) -> str:
+        if self.kind == "network":
+            return f"network hop {self.peer_service} -> {self.service}"
+        extra = f" or {'/'.join(self.resources)}" if self.resources else ""
+        return f"span {self.operation} of {self.service}{extra}"
+
+    def matches(self, cause: dict[str, Any]) -> bool:
+        kind, service = cause.get("kind"), cause.get("service")
+        if self.kind == "network":
+            return kind == "network" and service == self.service and cause.get("peer_service") == self.peer_service
+        if kind == "span":
+            return service == self.service and cause.get("operation") == self.operation
+        if kind == "service":
+            return self.service_ok and service == self.service
+        if kind == "resource":
+            explains_it = service == self.service and cause.get("operation") == self.operation
+            return explains_it or (cause.get("resource") in self.resources
+                                   and (self.resource_anywhere or service == self.service))
+        return False
+
+
+FAULTS: dict[str, Fault] = {f.key: f for f in (
+    Fault("cpu", "CPU-bound preprocessing", "preprocess burns 12 ms more CPU in resize per request",
+          "span", "preprocess", "resize", service_ok=True, resources=("system.cpu.utilization",)),
+    Fault("slow-query", "slow feature query", "DROP INDEX on the feature store: each lookup scans the table",
+          "span", "preprocess", feature_store.SPAN_NAME),
+    Fault("network", "network delay on one hop", "the TCP proxy gateway -> model-server holds each request 100 ms",
+          "network", "model-server", "POST /infer", peer_service="gateway"),
+    Fault("gpu", "GPU stall (SIMULATED GPU)", "the SIMULATED GPU is clock-throttled (hw_slowdown), kernels 8x slower",
+          "span", "model-server", "forward", service_ok=True, resources=("nvidia.gpu.throttle", "hw.gpu.utilization"),
+          resource_anywhere=True, simulated=True),
+)}
