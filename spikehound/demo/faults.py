@@ -1,12 +1,12 @@
 """The faults the demo injects, and what a correct explanation of each one names.
 
-A cause (the API's Cause JSON) *matches* a fault when it names the component
-the fault was injected into: the span that was made slow (or, where all of
-its work slowed, its service), the network hop that was delayed, or the
-resource that really is the fault (the GPU's clock throttling; CPU for
-CPU-bound work). A resource cause reads "X rose on host H, which served the
-slow <component>": it also matches when that component is the faulty one,
-since it sends the reader to the right place.
+A spike's top cause *names* a fault when it is the component the fault was
+injected into: the span that was made slow (or, where all of its work
+slowed, its service), or the network hop that was delayed. A resource cause
+is evidence joined just ahead of the component it explains ("X rose on host
+H, which served the slow <component>"), so a resource cause on top names the
+fault when the resource is the fault itself (the GPU's clock throttling; the
+CPU for CPU-bound work) or when the component right below it does.
 
 >>> cpu = FAULTS["cpu"]
 >>> cpu.matches({"kind": "span", "service": "preprocess", "operation": "resize"})
@@ -17,9 +17,11 @@ False
 >>> FAULTS["gpu"].matches({"kind": "resource", "service": "model-server", "operation": "queue_wait",
 ...                        "resource": "nvidia.gpu.throttle"})
 True
->>> FAULTS["slow-query"].matches({"kind": "resource", "service": "preprocess", "operation": "resize",
-...                               "resource": "system.cpu.utilization"})
-False
+>>> steal = {"kind": "resource", "service": "model-server", "operation": "POST /infer",
+...          "resource": "system.cpu.utilization"}
+>>> hop = {"kind": "network", "service": "model-server", "operation": "POST /infer", "peer_service": "gateway"}
+>>> FAULTS["network"].named_by([steal, hop]), FAULTS["network"].named_by([steal, {**hop, "kind": "span"}])
+(True, False)
 """
 
 from __future__ import annotations
@@ -60,10 +62,22 @@ class Fault:
         if kind == "service":
             return self.service_ok and service == self.service
         if kind == "resource":
-            explains_it = service == self.service and cause.get("operation") == self.operation
-            return explains_it or (cause.get("resource") in self.resources
-                                   and (self.resource_anywhere or service == self.service))
+            return cause.get("resource") in self.resources and (self.resource_anywhere or service == self.service)
         return False
+
+    def named_by(self, causes: list[dict[str, Any]]) -> bool:
+        """Does the first of ``causes`` name this fault (a resource cause: or the component it explains)?"""
+        if not causes:
+            return False
+        if self.matches(causes[0]):
+            return True
+        explained = component_of(causes)
+        return causes[0].get("kind") == "resource" and explained is not None and self.matches(explained)
+
+
+def component_of(causes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The component the first cause is about: itself, or for a resource cause the first non-resource one after it."""
+    return next((c for c in causes if c.get("kind") != "resource"), None)
 
 
 FAULTS: dict[str, Fault] = {f.key: f for f in (

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from spikehound.config import HostPort
 from spikehound.demo import feature_store
 from spikehound.demo.alerts import WebhookReceiver, describe
-from spikehound.demo.faults import FAULTS, Fault
+from spikehound.demo.faults import FAULTS, Fault, component_of
 from spikehound.demo.load import OpenLoopLoad
 from spikehound.demo.processes import DEMO_SETTINGS, Stack, StartError, free_port, http_json
 
@@ -56,16 +56,19 @@ class Finding:
         return self.spike["causes"][0] if self.spike and self.spike["causes"] else None
 
     @property
+    def causes(self) -> list[dict[str, Any]]:
+        return self.spike["causes"] if self.spike else []
+
+    @property
     def ok(self) -> bool:
-        return self.top is not None and self.injection.fault.matches(self.top)
+        return self.injection.fault.named_by(self.causes)
 
     @property
     def verdict(self) -> str:
         """yes, or NO with the rank of the first cause that does name the fault."""
         if self.ok:
             return "yes"
-        causes = self.spike["causes"] if self.spike else []
-        rank = next((n for n, c in enumerate(causes, 1) if self.injection.fault.matches(c)), None)
+        rank = next((n for n, c in enumerate(self.causes, 1) if self.injection.fault.matches(c)), None)
         return f"NO (it is cause #{rank})" if rank else "NO"
 
 
@@ -111,14 +114,18 @@ def _cause_key(spike: dict[str, Any]) -> tuple[Any, ...]:
     return c.get("kind"), c.get("service"), c.get("operation"), c.get("peer_service"), c.get("resource")
 
 
-def short_cause(cause: dict[str, Any] | None) -> str:
-    if cause is None:
+def short_cause(causes: list[dict[str, Any]]) -> str:
+    """The top cause in a few words; a resource cause with the component it explains."""
+    if not causes:
         return "-"
+    cause = causes[0]
     kind = cause["kind"]
+    if kind == "resource":
+        explained = component_of(causes)
+        tail = f", at {short_cause([explained])}" if explained else f" ({cause['score']:.0%})"
+        return f"[resource] {cause['resource']} on {cause['host']}{tail}"
     if kind == "network":
         what = f"hop {cause['peer_service']} -> {cause['service']}"
-    elif kind == "resource":
-        what = f"{cause['resource']} on {cause['host']}"
     elif kind == "service":
         what = f"service {cause['service']}"
     else:
@@ -275,9 +282,8 @@ def _print_spike_event(con: Console, event: str, spike: dict[str, Any]) -> None:
     if event == "resolved":
         con.say(f"spike resolved  {where} ({spike['id']})")
         return
-    top = spike["causes"][0] if spike["causes"] else None
     con.say(f"spike {event:<8} {where}: p99 {spike['p99_ms']:.0f} ms against {spike['baseline_p99_ms']:.0f} ms; "
-            f"top cause {short_cause(top)}")
+            f"top cause {short_cause(spike['causes'])}")
 
 
 def _match(watch: SpikeWatch, injections: Sequence[Injection]) -> list[Finding]:
@@ -315,7 +321,7 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding]) -> int:
                      f"{f.found_after_s:.0f} s" if f.found_after_s is not None else "NOT FOUND",
                      f"{s['service']} {s['operation']}" if s else "-",
                      f"{s['p99_ms']:.0f} / {s['baseline_p99_ms']:.0f} ms" if s else "-",
-                     short_cause(f.top), f.verdict))
+                     short_cause(f.causes), f.verdict))
     widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
     con.say("", stamped=False)
     for row in (header, *rows):
@@ -326,6 +332,9 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding]) -> int:
         con.say(f"{fault.title}: expected {fault.expected}", stamped=False)
         if f.top is not None:
             con.say(f"  top cause: {f.top['summary']}", stamped=False)
+            explained = component_of(f.causes)
+            if f.top["kind"] == "resource" and explained is not None:
+                con.say(f"  ... at:    {explained['summary']}", stamped=False)
         if f.spike is not None:
             con.say(f"  evidence:  {stack.api}/api/v1/spikes/{f.spike['id']}", stamped=False)
     good = sum(f.ok for f in findings)
