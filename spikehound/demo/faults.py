@@ -81,7 +81,7 @@ def component_of(causes: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 FAULTS: dict[str, Fault] = {f.key: f for f in (
-    Fault("cpu", "CPU-bound preprocessing", "preprocess burns 12 ms more CPU in resize per request",
+    Fault("cpu", "CPU-bound preprocessing", "preprocess burns 10 ms more CPU in resize per request",
           "span", "preprocess", "resize", service_ok=True, resources=("system.cpu.utilization",)),
     Fault("slow-query", "slow feature query", "DROP INDEX on the feature store: each lookup scans the table",
           "span", "preprocess", feature_store.SPAN_NAME),

@@ -25,7 +25,7 @@ from pathlib import Path
 INDEX = "ix_features_entity"
 QUERY = "SELECT embedding FROM features WHERE entity_id = ?"
 SPAN_NAME = "SELECT features"  # the span the preprocess service wraps the query in
-ROWS = 120_000  # a full scan of this many rows takes some 20 ms: a fault that hurts without swamping 2 cores
+ROWS = 80_000  # a full scan of this many rows takes some 12 ms: a fault that hurts without swamping 2 cores
 
 
 def entity_id(n: int) -> str:

@@ -238,8 +238,8 @@ def _print_plan(con: Console, stack: Stack, receiver: WebhookReceiver, rate: flo
         ("stack", f"gateway :{p['gateway']} -> preprocess :{p['preprocess']} (feature store: SQLite) -> "
                   f"delay proxy :{p['proxy']} -> model-server :{p['model']} (GPU: SIMULATED, no GPU is used)"),
         ("load", f"{rate:g} requests/s, open loop: constant arrival rate, latency counted from when each was due"),
-        ("detection", "SHORT demo windows: 5 s windows, 6 warm-up windows, 2 s lateness, 1 calm window resolves "
-                      "(production defaults: 10 s, 12, 5 s, 2)"),
+        ("detection", "SHORT demo windows: 5 s windows, 6 warm-up windows, 2 s lateness, 1 calm window resolves, "
+                      "min_score 12 (production defaults: 10 s, 12, 5 s, 2, 6)"),
         ("alerts", f"webhook receiver {receiver.url}" if stack.alerts_routed else
                    f"webhook receiver {receiver.url}; this build has no [alerts] section, so no alert is routed "
                    "there: spikes are read from GET /api/v1/spikes"),

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("preprocess")
     p.add_argument("--features", required=True, help="feature store SQLite file")
     p.add_argument("--resize-ms", type=float, default=2.0, help="CPU per request normally")
-    p.add_argument("--burn-ms", type=float, default=12.0, help="extra CPU per request under the fault")
+    p.add_argument("--burn-ms", type=float, default=10.0, help="extra CPU per request under the fault")
     p.set_defaults(build=preprocess)
     p = sub.add_parser("model-server")
     p.add_argument("--kernel-ms", type=float, default=6.0, help="device time of a forward pass at batch 0")
