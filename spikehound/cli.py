@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spikehound import __version__
-from spikehound.config import Config, ConfigError, effective, load, to_toml
+from spikehound.config import Config, ConfigError, HostPort, effective, load, to_toml
 
 DEFAULT_API_URL = "http://127.0.0.1:8470"
 
@@ -172,14 +172,19 @@ def cmd_spike(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_port(text: str) -> HostPort:
+    try:
+        return HostPort.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from spikehound.config import HostPort
     from spikehound.demo import run_demo
 
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     return run_demo(rate=args.rate, warmup=args.warmup, fault_seconds=args.fault_seconds,
-                    recover_seconds=args.recover_seconds, faults=faults,
-                    api=HostPort.parse(args.api) if args.api else None, keep=args.keep)
+                    recover_seconds=args.recover_seconds, faults=faults, api=args.api, keep=args.keep)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-seconds", type=float, default=15.0, help="how long each fault lasts (default 15)")
     p.add_argument("--recover-seconds", type=float, default=10.0,
                    help="calm time after each fault, longer while its spikes are open (default 10)")
-    p.add_argument("--api", metavar="HOST:PORT", help="collector API address (default 127.0.0.1:8470 when free)")
+    p.add_argument("--api", metavar="HOST:PORT", type=_host_port,
+                   help="collector API address (default 127.0.0.1:8470 when free)")
     p.add_argument("--keep", action="store_true", help="keep the collector running at the end (Ctrl-C stops it)")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -6,8 +6,9 @@
 
 Bytes pass through unchanged. While the fault is on (``POST /fault``
 ``{"on": true}`` on the control port), every chunk travelling towards the
-upstream is held for ``--delay-ms`` first, as ``tc qdisc ... netem delay``
-would hold the packets of a congested link, without needing root. Neither
+upstream is delivered ``--delay-ms`` after it arrived (a delay line, in
+order: chunks in flight overlap, as ``tc qdisc ... netem delay`` holds the
+packets of a congested link), without needing root. Neither
 side knows: the gateway's CLIENT span grows, the model server's SERVER span
 does not, which is how a slow network hop looks in traces.
 """
@@ -44,10 +45,26 @@ class DelayProxy:
                              self._pipe(up_reader, client_writer, delayed=False))
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool) -> None:
+        line: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()  # (deliver at, bytes), in arrival order
+        sender = asyncio.create_task(self._deliver(line, writer))
+        loop = asyncio.get_running_loop()
         try:
             while data := await reader.read(65536):
-                if delayed and self.fault:
-                    await asyncio.sleep(self.delay_ms / 1000)
+                hold = self.delay_ms / 1000 if delayed and self.fault else 0.0
+                line.put_nowait((loop.time() + hold, data))
+        except (ConnectionError, OSError):
+            pass
+        line.put_nowait((0.0, b""))  # end of stream, after what is still on the line
+        await sender
+
+    async def _deliver(self, line: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                due, data = await line.get()
+                if not data:
+                    break
+                await asyncio.sleep(max(0.0, due - loop.time()))
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from spikehound.config import SECTIONS
+from spikehound.config import SECTIONS, HostPort
 from spikehound.demo import feature_store
 from spikehound.demo.faults import Fault
 
@@ -158,21 +158,22 @@ def collector_toml(public_url: str, alerts: str | None) -> str:
 class Stack:
     """Everything the demo starts, and the switches of its faults."""
 
-    def __init__(self, workdir: Path, api_port: int, webhook_url: str) -> None:
+    def __init__(self, workdir: Path, api: HostPort, webhook_url: str) -> None:
         self.workdir = workdir
         self.features = workdir / "features.db"
         ports = {name: free_port() for name in ("grpc", "http", "agent_grpc", "agent_http", "agent_metrics",
                                                  "gateway", "preprocess", "model", "proxy", "proxy_control")}
         self.ports = ports
-        self.api = f"http://127.0.0.1:{api_port}"
+        self.api = f"http://{api}"
         self.gateway = ("127.0.0.1", ports["gateway"])
-        self.alerts_routed = alert_route(webhook_url) is not None
+        route = alert_route(webhook_url)
+        self.alerts_routed = route is not None
         config = workdir / "collector.toml"
-        config.write_text(collector_toml(self.api, alert_route(webhook_url)))
+        config.write_text(collector_toml(self.api, route))
         self.config_path = config
         self.collector = Child("collector", ["-m", "spikehound.cli", "collector", "--config", str(config),
                                              "--db", f"sqlite:///{workdir / 'spikehound.db'}",
-                                             "--api", f"127.0.0.1:{api_port}",
+                                             "--api", str(api),
                                              "--otlp-grpc", f"127.0.0.1:{ports['grpc']}",
                                              "--otlp-http", f"127.0.0.1:{ports['http']}"],
                                {"SPIKEHOUND_DATA_DIR": str(workdir)}, f"{self.api}/readyz", workdir)

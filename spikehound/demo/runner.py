@@ -164,11 +164,13 @@ def run_demo(rate: float = 20.0, warmup: float = 40.0, fault_seconds: float = 15
     if api is not None and api.port not in (0, api_port):
         print(f"spikehound demo: --api {api}: the port is in use", file=sys.stderr)
         return 2
+    # Ctrl-C and SIGTERM stop the demo cleanly, even where SIGINT came ignored (a shell's background job).
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     con = Console(out)
     workdir = Path(tempfile.mkdtemp(prefix="spikehound-demo-"))
     receiver = WebhookReceiver().start()
-    stack = Stack(workdir, api_port, receiver.url)
+    stack = Stack(workdir, HostPort(api.host if api else "127.0.0.1", api_port), receiver.url)
     chosen = [FAULTS[f] for f in faults]
     _print_plan(con, stack, receiver, rate, warmup, fault_seconds, recover_seconds, chosen)
     status = 2
@@ -340,8 +342,9 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding]) -> int:
     good = sum(f.ok for f in findings)
     con.say("", stamped=False)
     verdict = "OK" if good == len(findings) else "FAIL"
-    con.say(f"{verdict}: {good} of {len(findings)} faults found and explained by their top cause "
-            "(GPU: a SIMULATED device)", stamped=False)
+    simulated = " (GPU: a SIMULATED device)" if any(f.injection.fault.simulated for f in findings) else ""
+    con.say(f"{verdict}: {good} of {len(findings)} faults found and explained by their top cause{simulated}",
+            stamped=False)
     con.say(f"API  {stack.api}/api/v1/spikes   (also: spikehound spikes --api-url {stack.api})", stamped=False)
     con.say(f"web  {stack.api}/", stamped=False)
     return 0 if verdict == "OK" else 1
