@@ -207,9 +207,9 @@ def run_demo(rate: float = 20.0, warmup: float = 40.0, fault_seconds: float = 15
                 assert stack.collector.proc is not None
                 stack.collector.proc.wait()
     except StartError as exc:
-        con.say(f"FAILED to start: {exc}")
-    except urllib.error.URLError as exc:
-        con.say(f"FAILED: the collector API did not answer: {exc.reason}")
+        con.say(f"FAILED: {exc}")
+    except urllib.error.URLError as exc:  # the collector's API or a fault switch
+        con.say(f"FAILED: a demo process did not answer: {exc.reason}")
     except KeyboardInterrupt:
         con.say("interrupted")
         status = 130 if status == 2 else status
