@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spikehound import __version__
-from spikehound.config import Config, ConfigError, effective, load, to_toml
+from spikehound.config import Config, ConfigError, HostPort, effective, load, to_toml
 
 DEFAULT_API_URL = "http://127.0.0.1:8470"
 
@@ -180,10 +180,19 @@ def cmd_spike(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_port(text: str) -> HostPort:
+    try:
+        return HostPort.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from spikehound.demo import run_demo
 
-    return run_demo(requests=args.requests, keep=args.keep, rate=args.rate)
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    return run_demo(rate=args.rate, warmup=args.warmup, fault_seconds=args.fault_seconds,
+                    recover_seconds=args.recover_seconds, faults=faults, api=args.api, keep=args.keep)
 
 
 # --- regression gate and serving analysis (compare, baseline, analyze) ---------------------------
@@ -421,10 +430,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("demo", help="run a collector and an instrumented app on a temporary SQLite database")
-    p.add_argument("--requests", type=int, default=600, help="requests the demo app sends (default 600)")
-    p.add_argument("--rate", type=float, default=40.0, help="requests per second (default 40)")
-    p.add_argument("--keep", action="store_true", help="keep the collector running at the end")
+    p = sub.add_parser("demo", help="inject real faults into an instrumented inference stack and show spikehound "
+                                     "finding and explaining them (about 3 minutes)")
+    p.add_argument("--faults", default="cpu,slow-query,network,gpu",
+                   help="faults to inject, in order (default cpu,slow-query,network,gpu)")
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second, open loop (default 20)")
+    p.add_argument("--warmup", type=float, default=40.0, metavar="SECONDS",
+                   help="normal traffic before the first fault (default 40)")
+    p.add_argument("--fault-seconds", type=float, default=15.0, help="how long each fault lasts (default 15)")
+    p.add_argument("--recover-seconds", type=float, default=10.0,
+                   help="calm time after each fault, longer while its spikes are open (default 10)")
+    p.add_argument("--api", metavar="HOST:PORT", type=_host_port,
+                   help="collector API address (default 127.0.0.1:8470 when free)")
+    p.add_argument("--keep", action="store_true", help="keep the collector running at the end (Ctrl-C stops it)")
     p.set_defaults(func=cmd_demo)
     add_analysis_commands(sub)
     return parser

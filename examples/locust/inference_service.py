@@ -9,7 +9,7 @@ postprocess), each service traced with the OpenTelemetry SDK under
 (a spikehound agent or collector). ``GET /healthz`` answers 200. SIGTERM (or
 Ctrl-C) stops taking requests, flushes the spans and exits.
 
-Run it from spikehound's virtual environment (it imports ``spikehound.demo``).
+Run it from spikehound's virtual environment (it needs the OpenTelemetry SDK and exporter).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from spikehound.demo import InferenceStack
+from inference_stack import InferenceStack  # beside this file
 
 
 def make_handler(stack: InferenceStack) -> type[BaseHTTPRequestHandler]:

@@ -1,0 +1,93 @@
+"""The faults the demo injects, and what a correct explanation of each one names.
+
+A spike's top cause *names* a fault when it is the component the fault was
+injected into: the span that was made slow (or, where all of its work
+slowed, its service), or the network hop that was delayed. A resource cause
+is evidence joined just ahead of the component it explains ("X rose on host
+H, which served the slow <component>"), so a resource cause on top names the
+fault when the resource is the fault itself (the GPU's clock throttling; the
+CPU for CPU-bound work) or when the component right below it does.
+
+>>> cpu = FAULTS["cpu"]
+>>> cpu.matches({"kind": "span", "service": "preprocess", "operation": "resize"})
+True
+>>> cpu.matches({"kind": "network", "service": "preprocess", "operation": "POST /preprocess",
+...              "peer_service": "gateway"})
+False
+>>> FAULTS["gpu"].matches({"kind": "resource", "service": "model-server", "operation": "queue_wait",
+...                        "resource": "nvidia.gpu.throttle"})
+True
+>>> steal = {"kind": "resource", "service": "model-server", "operation": "POST /infer",
+...          "resource": "system.cpu.utilization"}
+>>> hop = {"kind": "network", "service": "model-server", "operation": "POST /infer", "peer_service": "gateway"}
+>>> FAULTS["network"].named_by([steal, hop]), FAULTS["network"].named_by([steal, {**hop, "kind": "span"}])
+(True, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spikehound.demo import feature_store
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    key: str  # its name on the command line
+    title: str
+    injected: str  # what the demo really does, in one line
+    kind: str  # "span" or "network": the component a cause should name
+    service: str
+    operation: str
+    peer_service: str | None = None
+    service_ok: bool = False  # the whole service is an acceptable answer (all of its work slowed)
+    resources: tuple[str, ...] = ()  # resource causes on the service that name the fault itself
+    resource_anywhere: bool = False  # ... whichever component they were joined to (the GPU itself is the fault)
+    simulated: bool = False
+
+    @property
+    def expected(self) -> str:
+        if self.kind == "network":
+            return f"network hop {self.peer_service} -> {self.service}"
+        extra = f" or {'/'.join(self.resources)}" if self.resources else ""
+        return f"span {self.operation} of {self.service}{extra}"
+
+    def matches(self, cause: dict[str, Any]) -> bool:
+        kind, service = cause.get("kind"), cause.get("service")
+        if self.kind == "network":
+            return kind == "network" and service == self.service and cause.get("peer_service") == self.peer_service
+        if kind == "span":
+            return service == self.service and cause.get("operation") == self.operation
+        if kind == "service":
+            return self.service_ok and service == self.service
+        if kind == "resource":
+            return cause.get("resource") in self.resources and (self.resource_anywhere or service == self.service)
+        return False
+
+    def named_by(self, causes: list[dict[str, Any]]) -> bool:
+        """Does the first of ``causes`` name this fault (a resource cause: or the component it explains)?"""
+        if not causes:
+            return False
+        if self.matches(causes[0]):
+            return True
+        explained = component_of(causes)
+        return causes[0].get("kind") == "resource" and explained is not None and self.matches(explained)
+
+
+def component_of(causes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The component the first cause is about: itself, or for a resource cause the first non-resource one after it."""
+    return next((c for c in causes if c.get("kind") != "resource"), None)
+
+
+FAULTS: dict[str, Fault] = {f.key: f for f in (
+    Fault("cpu", "CPU-bound preprocessing", "preprocess burns 10 ms more CPU in resize per request",
+          "span", "preprocess", "resize", service_ok=True, resources=("system.cpu.utilization",)),
+    Fault("slow-query", "slow feature query", "DROP INDEX on the feature store: each lookup scans the table",
+          "span", "preprocess", feature_store.SPAN_NAME),
+    Fault("network", "network delay on one hop", "the TCP proxy gateway -> model-server holds each request 100 ms",
+          "network", "model-server", "POST /infer", peer_service="gateway"),
+    Fault("gpu", "GPU stall (SIMULATED GPU)", "the SIMULATED GPU is clock-throttled (hw_slowdown), kernels 8x slower",
+          "span", "model-server", "forward", service_ok=True, resources=("nvidia.gpu.throttle", "hw.gpu.utilization"),
+          resource_anywhere=True, simulated=True),
+)}
