@@ -336,7 +336,8 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding]) -> int:
             if f.top["kind"] == "resource" and explained is not None:
                 con.say(f"  ... at:    {explained['summary']}", stamped=False)
         if f.spike is not None:
-            con.say(f"  evidence:  {stack.api}/api/v1/spikes/{f.spike['id']}", stamped=False)
+            con.say(f"  evidence:  {stack.api}/ui/spikes/{f.spike['id']}   (JSON: /api/v1/spikes/{f.spike['id']})",
+                    stamped=False)
     good = sum(f.ok for f in findings)
     con.say("", stamped=False)
     verdict = "OK" if good == len(findings) else "FAIL"
