@@ -107,6 +107,7 @@ signing_secret = "{SECRET}"
 [[alerts.routes]]
 receiver = "pager"
 services = ["gateway"]
+resolve_wait_seconds = 5
 """)
         collector = CollectorProcess(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path,
                                      env={"SPIKEHOUND_CONFIG": str(config)})
