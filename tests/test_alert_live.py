@@ -116,8 +116,10 @@ resolve_wait_seconds = 5
             send(collector.http_endpoint, bodies[:cut])
             (waiting,) = _wait("a failed delivery", lambda: [n for n in _outbox(collector.api) if n["attempts"] >= 1])
             assert waiting["state"] == "pending" and waiting["status"] == "firing"
+            # A checkpoint taken after the spike opened (one from before it would not know the spike).
             checkpoints = "spikehound_detector_checkpoint_seconds_count"
-            _wait("a detector checkpoint", lambda: _metric(collector.api, checkpoints))
+            seen = _metric(collector.api, checkpoints)
+            _wait("a detector checkpoint", lambda: _metric(collector.api, checkpoints) > seen)
             collector.kill()  # SIGKILL: no chance to do anything more
 
             hook.up()
