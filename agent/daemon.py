@@ -155,7 +155,7 @@ class Agent:
         while self.queue.peek() is not None and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.forwarder.forward_one(timeout=max(remaining, 0.1)), remaining)
+                await asyncio.wait_for(self.forwarder.flush(timeout=max(remaining, 0.1)), remaining)
 
 
 def _metrics_app(registry: Any) -> web.Application:
