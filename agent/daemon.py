@@ -102,8 +102,7 @@ class Agent:
         next_tick = time.monotonic()
         while True:
             samples = await self.sampling.tick(timeout=interval * 0.8)
-            self.bridge.update(samples)
-            self.bridge.export()
+            self.bridge.export(samples)
             next_tick += interval
             delay = next_tick - time.monotonic()
             if delay < 0:  # fell behind (suspended, overloaded): skip ticks rather than burst
@@ -145,7 +144,6 @@ class Agent:
             self.queue.close()
         if hasattr(self, "sampling"):
             self.sampling.close()
-            self.bridge.shutdown()
         for runner in self._runners[1:]:
             await runner.cleanup()
         self._runners.clear()
