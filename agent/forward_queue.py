@@ -35,6 +35,7 @@ class ForwardQueue:
         self._memory: deque[Item] = deque()
         self._memory_used = 0
         self._ready = asyncio.Event() if _has_loop() else None
+        self._arrival: asyncio.Future[None] | None = None  # resolved by the next put
         self.spilled_items = 0  # requests that went to disk
 
     @property
@@ -59,6 +60,8 @@ class ForwardQueue:
             return False
         if self._ready is not None:
             self._ready.set()
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
         return True
 
     def peek(self) -> Item | None:
@@ -115,6 +118,13 @@ class ForwardQueue:
         while self.peek() is None:
             self._ready.clear()
             await self._ready.wait()
+
+    async def arrival(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the next ``put``; True when one came."""
+        if self._arrival is None or self._arrival.done():
+            self._arrival = asyncio.get_running_loop().create_future()
+        done, _ = await asyncio.wait([self._arrival], timeout=max(timeout, 0.0))
+        return bool(done)
 
     def spill_memory(self) -> int:
         """Move unsent memory items to the head of the spool (at shutdown); return how many did not fit."""
