@@ -103,8 +103,7 @@ class Agent:
         next_tick = time.monotonic()
         while True:
             samples = await self.sampling.tick(timeout=interval * 0.8)
-            self.bridge.update(samples)
-            self.bridge.export()
+            self.bridge.export(samples)
             next_tick += interval
             delay = next_tick - time.monotonic()
             if delay < 0:  # fell behind (suspended, overloaded): skip ticks rather than burst
@@ -150,7 +149,6 @@ class Agent:
             self.queue.close()
         if hasattr(self, "sampling"):
             self.sampling.close()
-            self.bridge.shutdown()
         for runner in self._runners[1:]:
             await runner.cleanup()
         self._runners.clear()
@@ -160,7 +158,7 @@ class Agent:
         while self.queue.peek() is not None and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.forwarder.forward_one(timeout=max(remaining, 0.1)), remaining)
+                await asyncio.wait_for(self.forwarder.flush(timeout=max(remaining, 0.1)), remaining)
 
 
 def _metrics_app(registry: Any) -> web.Application:

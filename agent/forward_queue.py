@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from agent.spool import DiskSpool, Item
+from agent.spool import DiskSpool, Item, Signal
 
 
 class ForwardQueue:
@@ -35,6 +35,7 @@ class ForwardQueue:
         self._memory: deque[Item] = deque()
         self._memory_used = 0
         self._ready = asyncio.Event() if _has_loop() else None
+        self._arrival: asyncio.Future[None] | None = None  # resolved by the next put
         self.spilled_items = 0  # requests that went to disk
 
     @property
@@ -59,30 +60,39 @@ class ForwardQueue:
             return False
         if self._ready is not None:
             self._ready.set()
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
         return True
 
     def peek(self) -> Item | None:
         return self._memory[0] if self._memory else self.spool.peek()
 
-    def peek_batch(self, max_bytes: int) -> list[Item]:
-        """The oldest item and, when it is in memory, the later memory items of its signal (up to ``max_bytes``).
+    def peek_batches(self, max_bytes: int) -> list[list[Item]]:
+        """One batch per signal that can leave now, to be sent side by side.
 
+        From memory: each signal's oldest items (up to ``max_bytes`` each), in the order of their heads.
         Memory items are always older than spooled ones, so sending them first keeps each signal in order;
         OTLP requests of one signal merge by concatenating their encodings, so a batch is one request.
+        Otherwise the spool's head alone, since spooled records go one by one in arrival order.
         """
         if not self._memory:
             head = self.spool.peek()
-            return [head] if head is not None else []
-        signal = self._memory[0].signal
-        batch: list[Item] = []
-        size = 0
+            return [[head]] if head is not None else []
+        batches: dict[Signal, list[Item]] = {}
+        sizes: dict[Signal, int] = {}
+        full: set[Signal] = set()
         for item in self._memory:
-            if item.signal is signal:
-                if batch and size + item.size > max_bytes:
-                    break
-                batch.append(item)
-                size += item.size
-        return batch
+            signal = item.signal
+            if signal in full:
+                continue
+            batch = batches.setdefault(signal, [])
+            size = sizes.get(signal, 0)
+            if batch and size + item.size > max_bytes:
+                full.add(signal)  # later items of this signal wait: they must not overtake this one
+                continue
+            batch.append(item)
+            sizes[signal] = size + item.size
+        return list(batches.values())
 
     def pop(self) -> None:
         """Remove the item ``peek`` returned, once the collector has acknowledged it."""
@@ -92,7 +102,7 @@ class ForwardQueue:
             self.spool.pop()
 
     def pop_batch(self, batch: list[Item]) -> None:
-        """Remove the items ``peek_batch`` returned, once the collector has acknowledged them."""
+        """Remove one batch ``peek_batches`` returned, once the collector has acknowledged them."""
         sent = {id(item) for item in batch}
         kept = deque(item for item in self._memory if id(item) not in sent)
         if len(kept) == len(self._memory):  # not from memory: it was the spool's head
@@ -108,6 +118,13 @@ class ForwardQueue:
         while self.peek() is None:
             self._ready.clear()
             await self._ready.wait()
+
+    async def arrival(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the next ``put``; True when one came."""
+        if self._arrival is None or self._arrival.done():
+            self._arrival = asyncio.get_running_loop().create_future()
+        done, _ = await asyncio.wait([self._arrival], timeout=max(timeout, 0.0))
+        return bool(done)
 
     def spill_memory(self) -> int:
         """Move unsent memory items to the head of the spool (at shutdown); return how many did not fit."""

@@ -1,96 +1,120 @@
-"""Readings out as OTLP metrics, through the OpenTelemetry SDK's MeterProvider.
+"""Readings out as OTLP metrics: each tick's samples become one ``ExportMetricsServiceRequest`` for a sink.
 
-Each metric name gets one observable instrument (a gauge, or an observable
-counter for cumulative totals) whose callback reports the latest readings.
-``export()`` makes the provider collect once and hands the encoded OTLP
-request to a sink, the agent's forward queue, instead of a network exporter:
-metrics then share the spans' loss-free path to the collector.
+The sink is the agent's forward queue, so metrics share the spans' loss-free
+path to the collector. The request is what the OpenTelemetry SDK's
+``MeterProvider`` with one observable instrument per metric name produced
+before (the agent used it until the overhead benchmark showed its cost): the
+resource from the SDK's ``Resource.create`` (so ``OTEL_RESOURCE_ATTRIBUTES``
+and the ``telemetry.sdk.*`` keys apply), one scope ``spikehound.agent``, a
+gauge per GAUGE sample name and a cumulative monotonic sum per COUNTER name,
+whose points start when the agent first saw the series. No exemplars: host
+samples carry no trace context. Encoding the samples directly costs about
+0.2 ms a tick where the SDK's collect and encode took about 3 ms (0.3 % of a
+core at a 1 s interval, a third of the agent's whole budget).
+
+>>> sent = []
+>>> out = MetricsBridge({"service.name": "spikehound-agent", "host.name": "gpu-1"},
+...                     lambda payload, points: sent.append(payload) or True)
+>>> out.export([Sample("hw.power", 412.5, "W", {"hw.id": "GPU-1"})])
+>>> metric = ExportMetricsServiceRequest.FromString(sent[0]).resource_metrics[0].scope_metrics[0].metrics[0]
+>>> metric.name, metric.unit, metric.gauge.data_points[0].as_double
+('hw.power', 'W', 412.5)
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
-from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
-    MetricsData,
-    PeriodicExportingMetricReader,
-)
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource as ResourcePb
 from opentelemetry.sdk.resources import Resource
 
 from agent.sample import Kind, Sample
-from spikehound.otlp import count_items
+from spikehound.otlp import set_any_value
 
 Sink = Callable[[bytes, int], bool]  # (serialized ExportMetricsServiceRequest, data points) -> queued?
+SCOPE = "spikehound.agent"
+FORGET_AFTER_TICKS = 300  # a series unseen this long (a process that exited) is forgotten
+_CUMULATIVE = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+SeriesKey = tuple[str, tuple[tuple[str, Any], ...]]
 
 
-class _SinkExporter(MetricExporter):
-    def __init__(self, sink: Sink) -> None:
-        super().__init__()
-        self.sink = sink
-        self.refused = 0
-
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
-        request = encode_metrics(metrics_data)
-        points = count_items(request)
-        if not points:
-            return MetricExportResult.SUCCESS
-        if not self.sink(request.SerializeToString(), points):
-            self.refused += points
-            return MetricExportResult.FAILURE
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        return None
+@dataclass(slots=True)
+class _Series:
+    attributes: bytes  # the point's attributes, encoded once
+    started: int  # when the agent first saw it: the start of a cumulative sum
+    seen: int  # the last tick it was sampled in
 
 
 class MetricsBridge:
-    """Latest readings -> MeterProvider -> OTLP request -> sink."""
+    """Samples -> OTLP metrics request -> sink; one ``export`` per sampling tick."""
 
     def __init__(self, resource: dict[str, Any], sink: Sink) -> None:
-        self._exporter = _SinkExporter(sink)
-        self._reader = PeriodicExportingMetricReader(self._exporter, export_interval_millis=math.inf)
-        # Host samples carry no trace context: exemplars would only cost time.
-        self._provider = MeterProvider(resource=Resource.create(resource), metric_readers=[self._reader],
-                                       exemplar_filter=AlwaysOffExemplarFilter())
-        self._meter = self._provider.get_meter("spikehound.agent")
-        self._latest: dict[str, list[Sample]] = {}
+        self._sink = sink
+        self.refused_points = 0  # points the sink (a full queue and spool) did not take
+        pb = ResourcePb()
+        for key, value in Resource.create(resource).attributes.items():
+            set_any_value(pb.attributes.add(key=key).value, value)
+        self._resource = pb.SerializeToString()  # encoded once: it never changes
+        self._series: dict[SeriesKey, _Series] = {}
+        self._ticks = 0
 
-    @property
-    def refused_points(self) -> int:
-        return self._exporter.refused
+    def encode(self, samples: Sequence[Sample], now_ns: int | None = None) -> ExportMetricsServiceRequest:
+        """The request for one tick's samples; a series sampled twice in it keeps its last reading."""
+        now = now_ns or time.time_ns()
+        self._ticks += 1
+        latest: dict[SeriesKey, Sample] = {}
+        for sample in samples:
+            latest[(sample.name, tuple(sample.attributes.items()))] = sample
+        request = ExportMetricsServiceRequest()
+        rm = request.resource_metrics.add()
+        rm.resource.MergeFromString(self._resource)
+        sm = rm.scope_metrics.add()
+        sm.scope.name = SCOPE
+        points: dict[str, Any] = {}  # metric name -> its repeated data_points
+        for key, sample in latest.items():
+            name = sample.name
+            target = points.get(name)
+            if target is None:
+                metric = sm.metrics.add(name=name, unit=sample.unit)
+                if sample.kind is Kind.COUNTER:
+                    metric.sum.aggregation_temporality = _CUMULATIVE
+                    metric.sum.is_monotonic = True
+                    target = points[name] = metric.sum.data_points
+                else:
+                    target = points[name] = metric.gauge.data_points
+            series = self._series.get(key) or self._new_series(key, sample, now)
+            series.seen = self._ticks
+            point = target.add(time_unix_nano=now)
+            point.MergeFromString(series.attributes)
+            if sample.kind is Kind.COUNTER:
+                point.start_time_unix_nano = series.started
+            value = sample.value
+            if isinstance(value, int):  # as the SDK: integral readings stay integers
+                point.as_int = value
+            else:
+                point.as_double = value
+        if self._ticks % FORGET_AFTER_TICKS == 0:
+            self._series = {k: v for k, v in self._series.items() if self._ticks - v.seen < FORGET_AFTER_TICKS}
+        return request
 
-    def update(self, samples: Sequence[Sample]) -> None:
-        fresh: dict[str, list[Sample]] = {}
-        for s in samples:
-            fresh.setdefault(s.name, []).append(s)
-        for name, group in fresh.items():
-            if name not in self._latest:
-                self._instrument(name, group[0])
-        # A metric with no reading this interval (sampler timed out) reports nothing rather than stale values.
-        self._latest = fresh
+    def _new_series(self, key: SeriesKey, sample: Sample, now: int) -> _Series:
+        point = metrics_pb2.NumberDataPoint()
+        for name, value in sample.attributes.items():
+            set_any_value(point.attributes.add(key=name).value, value)
+        series = self._series[key] = _Series(point.SerializeToString(), now, self._ticks)
+        return series
 
-    def _instrument(self, name: str, first: Sample) -> None:
-        def observe(_options: CallbackOptions) -> Iterable[Observation]:
-            return [Observation(s.value, s.attributes) for s in self._latest.get(name, ())]
-
-        if first.kind is Kind.COUNTER:
-            self._meter.create_observable_counter(name, callbacks=[observe], unit=first.unit)
-        else:
-            self._meter.create_observable_gauge(name, callbacks=[observe], unit=first.unit)
-
-    def export(self) -> None:
-        """Collect the latest readings once and hand them to the sink."""
-        self._reader.force_flush()
-
-    def shutdown(self) -> None:
-        self._provider.shutdown()
+    def export(self, samples: Sequence[Sample]) -> None:
+        """Encode one tick's samples and hand them to the sink; nothing is sent for an empty tick."""
+        if not samples:
+            return
+        request = self.encode(samples)
+        points = sum(len(getattr(m, m.WhichOneof("data")).data_points)
+                     for m in request.resource_metrics[0].scope_metrics[0].metrics)
+        if not self._sink(request.SerializeToString(), points):
+            self.refused_points += points

@@ -41,12 +41,15 @@ class AgentMetrics(Collector):
         refused = CounterMetricFamily("spikehound_agent_refused", "Spans or metric points pushed back to local "
                                       "senders because the queue and spool were full (the sender retries).",
                                       labels=["signal"])
+        requests = CounterMetricFamily("spikehound_agent_forward_requests", "Requests the collector acknowledged; "
+                                       "queued requests of a signal are merged into one.", labels=["signal"])
         for signal, name in _SIGNALS.items():
             forwarded.add_metric([name], self.forwarder.stats.forwarded[signal])
+            requests.add_metric([name], self.forwarder.stats.requests[signal])
             dropped.add_metric([name, "rejected_by_collector"], self.forwarder.stats.dropped[signal])
             refused.add_metric([name], self.intake.refused[signal])
         dropped.add_metric(["metrics", "queue_full"], self.bridge.refused_points)
-        yield from (forwarded, dropped, refused)
+        yield from (forwarded, requests, dropped, refused)
         invalid = CounterMetricFamily("spikehound_agent_invalid_requests", "Requests from local senders that could "
                                       "not be read.", labels=["protocol"])
         for protocol, n in sorted(self.intake.invalid_requests.items()):

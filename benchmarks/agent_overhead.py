@@ -4,18 +4,25 @@ Run with ``python -m benchmarks.agent_overhead`` (``make bench`` does). A collec
 (SQLite, temporary directory) and the agent run as separate processes; a load
 process sends pre-encoded OTLP/gRPC requests to the agent's local receiver the
 way an OpenTelemetry SDK's BatchSpanProcessor does with its defaults (batches of
-up to 512 spans), at 1,000 spans/s in all. The agent's CPU time is read from /proc before and
-after the measured period.
+512 spans), at 1,000 spans/s in all. CPU is process CPU time read from /proc
+(utime + stime) before and after each measured round, so other load on the
+machine does not count against the agent; it is split by thread into the event
+loop (the main thread), gRPC's C-core threads and the other Python threads
+(samplers, gRPC's completion-queue poller).
 
-Reference, same run: Debian's ``prometheus-node-exporter`` scraped once a second,
-the usual always-on host agent an SRE already runs. It is installed with apt when
-missing (and skipped, with a note, when that is not possible).
+Reference, measured over the same rounds as the agent: Debian's
+``prometheus-node-exporter`` scraped once a second, the usual always-on host
+agent an SRE already runs. It is installed with apt when missing (and skipped,
+with a note, when that is not possible). ``--breakdown`` adds three more agent
+runs, each beside the reference again: samplers only (no spans), forwarding only
+(samplers off) and neither (an idle agent).
 Target: under 1 % of one core and under 80 MB resident for the agent.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import multiprocessing as mp
@@ -23,14 +30,19 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+GRPC_CORE_THREADS = ("event_engine", "grpc_global_tim", "lifeguard")  # gRPC's own thread names
 
 
 def free_port() -> int:
@@ -39,9 +51,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ticks(stat: str) -> int:
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+    return _ticks(Path(f"/proc/{pid}/stat").read_text()) / CLOCK_TICKS
+
+
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of the live threads by group: the event loop (main thread), gRPC core, other Python threads."""
+    groups = {"event loop": 0.0, "gRPC core threads": 0.0, "other threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            stat = (task / "stat").read_text()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            group = ("event loop" if task.name == str(pid) else
+                     "gRPC core threads" if name.startswith(GRPC_CORE_THREADS) else "other threads")
+            groups[group] += _ticks(stat) / CLOCK_TICKS
+    return groups
 
 
 def rss_mb(pid: int) -> float:
@@ -60,8 +89,8 @@ def wait_http(url: str, timeout: float = 60) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 
 
-def load(endpoint: str, spans_per_second: int, seconds: float, ready: mp.Event) -> None:  # type: ignore[valid-type]
-    """Send pre-encoded 512-span requests at the given rate (runs in its own process)."""
+def load(endpoint: str, spans_per_second: int, stop: mp.Event, ready: mp.Event) -> None:  # type: ignore[valid-type]
+    """Send pre-encoded 512-span requests at the given rate until ``stop`` (runs in its own process)."""
     import grpc
 
     from spikehound.model import Span, SpanKind, StatusCode
@@ -84,24 +113,51 @@ def load(endpoint: str, spans_per_second: int, seconds: float, ready: mp.Event) 
     period = batch / spans_per_second
     start = time.monotonic()
     i = 0
-    while time.monotonic() - start < seconds:
+    while not stop.is_set():
         export(bodies[i % len(bodies)], timeout=10)
         i += 1
         time.sleep(max(0.0, start + i * period - time.monotonic()))
     channel.close()
 
 
-def measure(pid: int, seconds: float, scrape: str | None = None) -> tuple[float, float]:
-    """(% of one core, peak RSS MB) of ``pid`` over ``seconds``, scraping ``scrape`` once a second if given."""
-    cpu0, t0 = cpu_seconds(pid), time.monotonic()
-    peak = rss_mb(pid)
-    while time.monotonic() - t0 < seconds:
-        if scrape:
-            with urllib.request.urlopen(scrape, timeout=5) as r:
+@dataclass
+class Figures:
+    cpu_percent: float
+    rss_mb: float
+    threads: dict[str, float] | None = None  # % of one core by thread group
+
+
+class Scraper(threading.Thread):
+    """Scrapes ``url`` once a second, as Prometheus would, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(1.0):
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url, timeout=5) as r:
                 r.read()
-        peak = max(peak, rss_mb(pid))
+
+
+def measure(pids: dict[str, int], seconds: float) -> dict[str, Figures]:
+    """CPU (% of one core) and peak RSS (MB) of each process over the same ``seconds``."""
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    threads0 = {name: thread_seconds(pid) for name, pid in pids.items()}
+    t0 = time.monotonic()
+    peak = {name: rss_mb(pid) for name, pid in pids.items()}
+    while time.monotonic() - t0 < seconds:
         time.sleep(1.0)
-    return 100 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0), peak
+        for name, pid in pids.items():
+            peak[name] = max(peak[name], rss_mb(pid))
+    elapsed = time.monotonic() - t0
+    out = {}
+    for name, pid in pids.items():
+        threads1 = thread_seconds(pid)
+        out[name] = Figures(100 * (cpu_seconds(pid) - cpu0[name]) / elapsed, peak[name],
+                            {g: 100 * (threads1[g] - threads0[name][g]) / elapsed for g in threads1})
+    return out
 
 
 def node_exporter() -> str | None:
@@ -116,72 +172,168 @@ def node_exporter() -> str | None:
     return shutil.which("prometheus-node-exporter")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0, help="measured period (default 60)")
-    parser.add_argument("--rate", type=int, default=1000, help="spans per second sent through the agent")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    args = parser.parse_args()
+def serve_agent_without_samplers() -> int:
+    """Run an agent configured from the environment, with no samplers: the breakdown's forwarding-only agent."""
+    from agent.daemon import Agent
+    from spikehound.config import load as load_config
+    from spikehound.lifecycle import serve
 
-    work = Path(tempfile.mkdtemp(prefix="spikehound-agent-bench-"))
-    api, c_grpc, c_http = free_port(), free_port(), free_port()
-    a_grpc, a_http, a_metrics = free_port(), free_port(), free_port()
-    exe = [sys.executable, "-m", "spikehound.cli"]
-    procs: list[subprocess.Popen[bytes]] = []
-    results: dict[str, float | str | None] = {}
-    try:
-        log = open(work / "collector.log", "wb")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen([*exe, "collector", "--db", f"sqlite:///{work / 'db.sqlite'}", "--api",
-                                       f"127.0.0.1:{api}", "--otlp-grpc", f"127.0.0.1:{c_grpc}", "--otlp-http",
-                                       f"127.0.0.1:{c_http}"], stdout=log, stderr=subprocess.STDOUT))
+    return asyncio.run(serve(Agent(load_config(), samplers=[])))
+
+
+class Bench:
+    """A collector, the reference node-exporter and, one after another, the agents to measure."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.exe = [sys.executable, "-m", "spikehound.cli"]
+        self.collector_grpc = free_port()
+        self.node_exporter: subprocess.Popen[bytes] | None = None
+        self.scraper: Scraper | None = None
+
+    def start(self) -> None:
+        api, http = free_port(), free_port()
+        log = open(self.work / "collector.log", "wb")  # noqa: SIM115 - closed with the process
+        self.procs.append(subprocess.Popen([*self.exe, "collector", "--db", f"sqlite:///{self.work / 'db.sqlite'}",
+                                            "--api", f"127.0.0.1:{api}", "--otlp-grpc",
+                                            f"127.0.0.1:{self.collector_grpc}", "--otlp-http", f"127.0.0.1:{http}"],
+                                           stdout=log, stderr=subprocess.STDOUT))
         wait_http(f"http://127.0.0.1:{api}/readyz")
-        env = {**os.environ, "SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{a_metrics}",
-               "SPIKEHOUND_DATA_DIR": str(work), "SPIKEHOUND_LOG_LEVEL": "warning"}
-        agent_log = open(work / "agent.log", "wb")  # noqa: SIM115
-        agent = subprocess.Popen([*exe, "agent", "--collector", f"127.0.0.1:{c_grpc}", "--otlp-grpc",
-                                  f"127.0.0.1:{a_grpc}", "--otlp-http", f"127.0.0.1:{a_http}", "--interval", "1"],
-                                 stdout=agent_log, stderr=subprocess.STDOUT, env=env)
-        procs.append(agent)
-        wait_http(f"http://127.0.0.1:{a_metrics}/healthz")
-        ready = mp.Event()
-        sender = mp.Process(target=load, args=(f"127.0.0.1:{a_grpc}", args.rate, args.seconds + 10, ready))
-        sender.start()
-        ready.wait(60)
-        time.sleep(5)  # warm-up: first sampler deltas, caches, JIT-free but import-heavy start
-        cpu, rss = measure(agent.pid, args.seconds)
-        sender.join()
-        with urllib.request.urlopen(f"http://127.0.0.1:{a_metrics}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        forwarded = next((float(line.split()[-1]) for line in text.splitlines()
-                          if line.startswith('spikehound_agent_forwarded_total{signal="spans"}')), 0.0)
-        results.update(agent_cpu_percent=round(cpu, 3), agent_rss_mb=round(rss, 1), spans_forwarded=forwarded)
-        print(f"agent  (1 s interval, {args.rate} spans/s forwarded): {cpu:5.2f} % of one core, "
-              f"RSS {rss:5.1f} MB   [{forwarded:.0f} spans forwarded]")
-
         exporter = node_exporter()
         if exporter:
             port = free_port()
-            ne = subprocess.Popen([exporter, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-            procs.append(ne)
+            self.node_exporter = subprocess.Popen([exporter, f"--web.listen-address=127.0.0.1:{port}"],
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.procs.append(self.node_exporter)
             wait_http(f"http://127.0.0.1:{port}/metrics")
-            ne_cpu, ne_rss = measure(ne.pid, args.seconds, scrape=f"http://127.0.0.1:{port}/metrics")
-            results.update(node_exporter_cpu_percent=round(ne_cpu, 3), node_exporter_rss_mb=round(ne_rss, 1))
-            print(f"reference: prometheus-node-exporter scraped every 1 s: {ne_cpu:5.2f} % of one core, "
-                  f"RSS {ne_rss:5.1f} MB")
-        else:
-            print("reference: prometheus-node-exporter not available (apt-get install prometheus-node-exporter)")
-        ok = cpu < 1.0 and rss < 80
-        print(f"target < 1 % of one core and < 80 MB RSS: {'PASS' if ok else 'FAIL'}")
-        results["target_met"] = "yes" if ok else "no"
-    finally:
-        for p in reversed(procs):
+            self.scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
+            self.scraper.start()
+
+    def run_agent(self, name: str, *, samplers: bool, rate: int, seconds: float,
+                  rounds: int) -> tuple[list[dict[str, Figures]], dict[str, float]]:
+        """Start an agent, send ``rate`` spans/s through it, measure ``rounds`` rounds; stop it."""
+        grpc_port, metrics_port = free_port(), free_port()
+        env = {**os.environ, "SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{metrics_port}",
+               "SPIKEHOUND_AGENT_COLLECTOR": f"127.0.0.1:{self.collector_grpc}",
+               "SPIKEHOUND_AGENT_OTLP_GRPC": f"127.0.0.1:{grpc_port}",
+               "SPIKEHOUND_AGENT_OTLP_HTTP": f"127.0.0.1:{free_port()}", "SPIKEHOUND_AGENT_INTERVAL": "1",
+               "SPIKEHOUND_DATA_DIR": str(self.work / name), "SPIKEHOUND_LOG_LEVEL": "warning"}
+        command = ([*self.exe, "agent"] if samplers else
+                   [sys.executable, "-c", "import sys; from benchmarks.agent_overhead import "
+                    "serve_agent_without_samplers as s; sys.exit(s())"])
+        log = open(self.work / f"agent-{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(agent)
+        stop, ready = mp.Event(), mp.Event()
+        sender = None
+        try:
+            wait_http(f"http://127.0.0.1:{metrics_port}/healthz")
+            if rate:
+                sender = mp.Process(target=load, args=(f"127.0.0.1:{grpc_port}", rate, stop, ready))
+                sender.start()
+                ready.wait(60)
+            time.sleep(5)  # warm-up: first sampler deltas, caches, connections
+            pids = {"agent": agent.pid}
+            if self.node_exporter is not None:
+                pids["node-exporter"] = self.node_exporter.pid
+            figures = [measure(pids, seconds) for _ in range(rounds)]
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+                counters = _agent_counters(r.read().decode())
+        finally:
+            stop.set()
+            if sender is not None:
+                sender.join(30)
+            agent.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(30)
+        return figures, counters
+
+    def close(self) -> None:
+        if self.scraper is not None:
+            self.scraper.stopped.set()
+        for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(30)
             if p.poll() is None:
                 p.kill()
+
+
+def _agent_counters(text: str) -> dict[str, float]:
+    wanted = {'spikehound_agent_forwarded_total{signal="spans"}': "spans_forwarded",
+              'spikehound_agent_forward_requests_total{signal="spans"}': "span_requests_forwarded",
+              'spikehound_agent_forward_requests_total{signal="metrics"}': "metric_requests_forwarded",
+              'spikehound_agent_forwarded_total{signal="metrics"}': "metric_points_forwarded"}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key in wanted:
+            out[wanted[key]] = float(value)
+    return out
+
+
+def _row(label: str, figures: list[dict[str, Figures]]) -> dict[str, Any]:
+    """Print one configuration's rounds and return its summary."""
+    agent = [f["agent"].cpu_percent for f in figures]
+    reference = [f["node-exporter"].cpu_percent for f in figures if "node-exporter" in f]
+    rss = max(f["agent"].rss_mb for f in figures)
+    line = f"{label:<38} agent {statistics.median(agent):5.2f} % ({min(agent):.2f}-{max(agent):.2f}), RSS {rss:5.1f} MB"
+    summary: dict[str, Any] = {"agent_cpu_percent": [round(v, 3) for v in agent], "agent_rss_mb": round(rss, 1)}
+    if reference:
+        ne_rss = max(f["node-exporter"].rss_mb for f in figures)
+        line += (f"  | node-exporter {statistics.median(reference):5.2f} % ({min(reference):.2f}-"
+                 f"{max(reference):.2f}), RSS {ne_rss:5.1f} MB")
+        summary.update(node_exporter_cpu_percent=[round(v, 3) for v in reference], node_exporter_rss_mb=ne_rss)
+    print(line)
+    groups: dict[str, list[float]] = {}
+    for f in figures:
+        for group, value in (f["agent"].threads or {}).items():
+            groups.setdefault(group, []).append(value)
+    split = ", ".join(f"{group} {statistics.median(values):.2f} %" for group, values in groups.items())
+    print(f"{'':<38}   by thread (median): {split}")
+    summary["agent_threads_percent"] = {group: round(statistics.median(v), 3) for group, v in groups.items()}
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of one measured round (default 30)")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per configuration (default 3)")
+    parser.add_argument("--rate", type=int, default=1000, help="spans per second sent through the agent")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also measure samplers only, forwarding only and an idle agent")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="spikehound-agent-bench-"))
+    bench = Bench(work)
+    results: dict[str, Any] = {}
+    runs = [("full", f"agent, {args.rate} spans/s, samplers at 1 s", True, args.rate)]
+    if args.breakdown:
+        runs += [("samplers_only", "samplers only (no spans)", True, 0),
+                 ("forwarding_only", f"forwarding only ({args.rate} spans/s)", False, args.rate),
+                 ("idle", "neither (idle agent)", False, 0)]
+    try:
+        bench.start()
+        if bench.node_exporter is None:
+            print("reference: prometheus-node-exporter not available (apt-get install prometheus-node-exporter)")
+        print(f"{args.rounds} rounds of {args.seconds:.0f} s each; median (min-max) of the rounds; the reference "
+              "is measured over the same rounds")
+        for key, label, samplers, rate in runs:
+            figures, counters = bench.run_agent(key, samplers=samplers, rate=rate, seconds=args.seconds,
+                                                rounds=args.rounds)
+            results[key] = {**_row(label, figures), **counters}
+        full = results["full"]
+        print(f"forwarded {full.get('spans_forwarded', 0):.0f} spans in {full.get('span_requests_forwarded', 0):.0f} "
+              f"requests and {full.get('metric_points_forwarded', 0):.0f} metric points in "
+              f"{full.get('metric_requests_forwarded', 0):.0f} requests")
+        ok = statistics.median(full["agent_cpu_percent"]) < 1.0 and full["agent_rss_mb"] < 80
+        print(f"target < 1 % of one core and < 80 MB RSS: {'PASS' if ok else 'FAIL'}")
+        results["target_met"] = "yes" if ok else "no"
+    finally:
+        bench.close()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

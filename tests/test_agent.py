@@ -550,7 +550,7 @@ def test_bad_input_is_refused_with_a_reason_and_counted(sqlite_collector: Collec
     assert agent.metric("spikehound_agent_received_total", signal="spans") == 5
 
 
-# --- e: the agent's own metrics go out through the SDK's metrics path ------------------------------
+# --- e: the agent's own samples go out as OTLP metrics with their own resource --------------------
 
 
 class RecordingRelay:
