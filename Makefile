@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/spikehound demo
 
 test: $(STAMP)
-	sh tests/install-prometheus.sh
+	sh tests/apt-install.sh prometheus "the Prometheus tests" prometheus promtool
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -40,8 +40,16 @@ clean:
 .PHONY: chromium bench-web-page
 test: chromium
 chromium:
-	sh tests/install-chromium.sh
+	sh tests/apt-install.sh chromium "the browser tests" /usr/bin/chromium
 
 bench: bench-web-page
 bench-web-page: $(STAMP) chromium
 	$(BIN)/python -m benchmarks.web_page
+
+# On a GPU host: the real-NVML test (skipped elsewhere), then this host's GPUs recorded in the format of
+# tests/fixtures/nvml/ (idle as they are now; run it again under load for a busy recording).
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider -m gpu -rs tests/test_nvml_sampler.py
+	mkdir -p nvml-recordings
+	$(BIN)/python -m agent.samplers.nvml --record nvml-recordings/$$(hostname)-$$(date +%s).json --samples 5

@@ -22,7 +22,6 @@ Target: under 1 % of one core and under 80 MB resident for the agent.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import multiprocessing as mp
@@ -174,11 +173,14 @@ def node_exporter() -> str | None:
 
 def serve_agent_without_samplers() -> int:
     """Run an agent configured from the environment, with no samplers: the breakdown's forwarding-only agent."""
+    from agent.runtime import prefer_poll_transport, run
+
+    prefer_poll_transport()  # as `spikehound agent` does
     from agent.daemon import Agent
     from spikehound.config import load as load_config
     from spikehound.lifecycle import serve
 
-    return asyncio.run(serve(Agent(load_config(), samplers=[])))
+    return run(serve(Agent(load_config(), samplers=[])))
 
 
 class Bench:

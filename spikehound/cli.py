@@ -65,6 +65,9 @@ def cmd_collector(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    from agent.runtime import prefer_poll_transport, run
+
+    prefer_poll_transport()  # before agent.daemon loads gRPC
     from agent.daemon import Agent
     from spikehound import logs
     from spikehound.lifecycle import serve
@@ -72,7 +75,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     cfg = _config(args)
     try:
         logs.configure(cfg)
-        return asyncio.run(serve(Agent(cfg), stop_timeout=cfg.agent.drain_seconds + 20,
+        return run(serve(Agent(cfg), stop_timeout=cfg.agent.drain_seconds + 20,
                                  reload_config=lambda: _config(args)))
     except OSError as exc:
         print(f"spikehound agent: {exc}", file=sys.stderr)
