@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "spike_warm": browser_runs(page_url, args.runs, warm=True),
                                      "reference_login": browser_runs(f"{collector.api}/ui/login", args.runs)}
             elif args.require_browser:
-                raise SystemExit(f"{CHROMIUM} is missing (tests/install-chromium.sh installs it)")
+                raise SystemExit(f"{CHROMIUM} is missing (tests/apt-install.sh installs it)")
             result["load_before"], result["load_after"] = load_before, round(os.getloadavg()[0], 2)
         finally:
             collector.kill()
@@ -252,7 +252,7 @@ def report(r: dict[str, Any], as_json: bool) -> None:
         verdict = statistics.median(x["ready_ms"] for x in spike) < 1000 and max(x["ready_ms"] for x in spike) < 1000
         print(f"under 1 s on loopback: {'yes' if verdict else 'NO'}")
     else:
-        print("browser: skipped, /usr/bin/chromium is missing (tests/install-chromium.sh installs it)")
+        print("browser: skipped, /usr/bin/chromium is missing (tests/apt-install.sh installs it)")
     print(f"{'server: spike page HTML, ms':48} {summary(r['html_ms'])}"
           f"   ({r['html_bytes'] / 1000:.0f} kB, {r['html_gzip_bytes'] / 1000:.0f} kB gzip)")
     print(f"{'server: reference, API JSON of the same trace, ms':48} {summary(r['api_trace_ms'])}"

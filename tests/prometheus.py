@@ -1,6 +1,6 @@
 """A throwaway real Prometheus server (Debian's ``prometheus`` package) for tests, and promtool.
 
-``make test`` installs the package when it is missing (``tests/install-prometheus.sh``); where that was not
+``make test`` installs the package when it is missing (``tests/apt-install.sh``); where that was not
 possible the tests that need it skip, naming the reason.
 """
 
@@ -22,7 +22,7 @@ from tests.daemons import free_port
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "deploy" / "prometheus" / "spikehound-rules.yml"
 MISSING = ("Debian's prometheus package is not installed and could not be installed here "
-           "(make test runs tests/install-prometheus.sh; apt-get install prometheus)")
+           "(make test runs tests/apt-install.sh; apt-get install prometheus)")
 
 
 def tool(name: str) -> str:

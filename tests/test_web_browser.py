@@ -3,7 +3,7 @@
 The data are real spikes from injected faults (``tests/web_scenarios.py``). The
 spike page's screenshot is kept as a test artifact in ``build/test-artifacts/``
 (or ``$SPIKEHOUND_TEST_ARTIFACTS``). ``make test`` installs Chromium when it is
-missing (``tests/install-chromium.sh``); without it these tests skip and say why.
+missing (``tests/apt-install.sh``); without it these tests skip and say why.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ playwright_api = pytest.importorskip("playwright.sync_api",
                                      reason="playwright is not installed (pip install -e '.[dev]')")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: Debian's chromium package "
-                                 "is not installed (make test installs it with tests/install-chromium.sh, as root)")]
+                                 "is not installed (make test installs it with tests/apt-install.sh, as root)")]
 ARTIFACTS = Path(os.environ.get("SPIKEHOUND_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "build"
                                 / "test-artifacts"))
 TOKEN = "browser-secret-3"
