@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
-from spikehound.model import LatencyWindow, Span
+from spikehound.model import LatencyWindow, Span, SpanKind
 
 __all__ = ["LatencyWindows", "nearest_rank"]
 
@@ -120,9 +120,9 @@ class LatencyWindows:
 
     def add(self, spans: Iterable[Span]) -> None:
         """Account the entry spans of ``spans`` into their open windows."""
-        window_ns = self.window_ns
+        window_ns, server = self.window_ns, SpanKind.SERVER
         for span in spans:
-            if not span.is_entry:
+            if span.parent_span_id is not None and span.kind != server:  # not an entry span (Span.is_entry)
                 continue
             end = span.end_unix_nano
             if self._max_end is None or end > self._max_end:

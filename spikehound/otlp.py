@@ -198,6 +198,8 @@ def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
     spans = out.spans
     index = 0
     invalid: list[tuple[int, int, int]] = []  # (resource, scope, span) positions of rejected spans
+    received, kinds, statuses = Span.received, _KINDS, _STATUSES
+    internal, unset = SpanKind.INTERNAL, StatusCode.UNSET
     for ri, rs in enumerate(req.resource_spans):
         resource = attributes(rs.resource.attributes)
         service = resource.pop("service.name", None) or UNKNOWN_SERVICE
@@ -217,21 +219,10 @@ def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
                     out.reject(f"span {index} ({sp.name[:80]}): {_span_problem(sp)}")
                     invalid.append((ri, si, pi))
                 else:
-                    spans.append(Span(
-                        trace_id=tid,
-                        span_id=span_id,
-                        parent_span_id=parent or None,
-                        service=service,
-                        host=host,
-                        name=sp.name,
-                        kind=_KINDS.get(sp.kind, SpanKind.INTERNAL),
-                        start_unix_nano=start,
-                        end_unix_nano=end,
-                        status=_STATUSES.get(sp.status.code, StatusCode.UNSET) if sp.HasField("status")
-                        else StatusCode.UNSET,
-                        resource=resource,
-                        message=sp,  # attributes and events are decoded only when read
-                    ))
+                    # Positional and without HasField: an absent status reads as code 0, UNSET.
+                    spans.append(received(tid, span_id, parent or None, service, host, sp.name,
+                                          kinds.get(sp.kind, internal), start, end,
+                                          statuses.get(sp.status.code, unset), resource, sp))
                 index += 1
     if trace_id is None:
         out.payload = _without(req, invalid) if invalid else (body if body is not None else req.SerializeToString())
