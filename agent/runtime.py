@@ -13,7 +13,7 @@ alone). ``GRPC_VERBOSITY`` defaults to ``ERROR`` so gRPC's informational lines
 
 The event loop is uvloop's (libuv) rather than asyncio's own: in the same
 benchmark the agent's event loop thread went from 0.50 % to 0.43 % of a core
-and the agent from 0.87 % to 0.77 %, for 2 MB more resident memory.
+and the agent from 0.87 % to 0.77-0.83 %, for 2 MB more resident memory.
 
 >>> env = {}
 >>> prefer_poll_transport(env)
