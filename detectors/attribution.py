@@ -6,7 +6,7 @@ latency each component held on the critical path (see
 
 - ``span``: a span's own time, keyed by (service, span name); a CLIENT span
   with no instrumented server behind it (a database call) is a span too;
-- ``network``: a CLIENT span's time not covered by its remote SERVER child,
+- ``network``: a CLIENT span's time not covered by its SERVER child on the path,
   the network and queueing time of that hop, keyed by (callee service, callee
   operation, caller service);
 - ``service``: the sum of a service's span components.
@@ -41,9 +41,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from detectors.critical_path import critical_path_times
+from detectors.critical_path import critical_path_times, hop_callees
 from detectors.resource import ResourceFlag
-from spikehound.model import Cause, CauseKind, Span, SpanKind
+from spikehound.model import Cause, CauseKind, Span
 
 __all__ = ["Breakdown", "NormalProfile", "attribute", "breakdown"]
 
@@ -68,16 +68,13 @@ def breakdown(spans: Sequence[Span], root: bytes | None = None) -> Breakdown:
     path = critical_path_times(spans, root)
     if not path:
         return Breakdown(0, {}, {})
-    by_parent_server: dict[bytes, Span] = {}
-    for s in spans:
-        if s.kind == SpanKind.SERVER and s.parent_span_id is not None:
-            by_parent_server.setdefault(s.parent_span_id, s)
+    callees = hop_callees(path)
     components: dict[Key, int] = {}
     hosts: dict[Key, str | None] = {}
     total = 0
     for span, self_ns in path:
         total += self_ns
-        callee = by_parent_server.get(span.span_id) if span.kind == SpanKind.CLIENT else None
+        callee = callees.get(span.span_id)
         if callee is not None:
             key: Key = ("network", callee.service, callee.name, span.service)
             hosts[key] = callee.host

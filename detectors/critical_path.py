@@ -6,7 +6,8 @@ to that child's start and look again among the children that finished before
 it. Time a span spends with no such child under the cursor is its own self
 time, so the span itself is always on the path. Children that overrun their
 parent are cut at the parent's end; children that start at or after the
-cursor are skipped (nothing before the end was waiting for them).
+cursor are skipped (nothing before the end was waiting for them), and so are
+children that ended before their parent started (clock skew across hosts).
 
 The walk is iterative (deep traces cannot overflow the stack), visits each span
 once (cycles and duplicated span ids cannot make it loop) and sorts each
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spikehound.model import Span
+from spikehound.model import Span, SpanKind
 
-__all__ = ["critical_path"]
+__all__ = ["critical_path", "critical_path_times", "hop_callees"]
 
 
 def critical_path(spans: Sequence[Span], root: bytes | None = None) -> list[bytes]:
@@ -115,9 +116,11 @@ def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> lis
             )
             cursor = eff_end
             for child in ordered:
-                if cursor <= eff_start:
-                    break
                 child_end = min(child.end_unix_nano, eff_end)
+                if cursor <= eff_start or child_end <= eff_start:
+                    # Nothing left to wait for; and a child that ended before the span (clock skew) was not
+                    # waited for: counting it would take negative time off the span's own.
+                    break
                 if child_end > cursor or child.start_unix_nano >= cursor or child.span_id in visited:
                     # Ends after the cursor (overlapped by a later pick), or lies
                     # wholly after it: the parent was not waiting on it.
@@ -130,3 +133,20 @@ def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> lis
 
     on_path.sort(key=lambda p: (p[0], p[1], p[2]))
     return [(span, self_ns) for _, _, _, span, self_ns in on_path]
+
+
+def hop_callees(path: Sequence[tuple[Span, int]]) -> dict[bytes, Span]:
+    """For each CLIENT span on ``path`` whose path child is a SERVER span: that callee, by the CLIENT's span id.
+
+    The CLIENT span's self time on the path is then the network and queueing
+    time of the hop to the callee. Of several SERVER children on the path
+    (retries), the last to start counts.
+    """
+    on_path = {span.span_id: span for span, _ in path}
+    callees: dict[bytes, Span] = {}
+    for span, _ in path:
+        parent = span.parent_span_id
+        caller = on_path.get(parent) if parent is not None and parent != span.span_id else None
+        if span.kind == SpanKind.SERVER and caller is not None and caller.kind == SpanKind.CLIENT:
+            callees[caller.span_id] = span
+    return callees

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from detectors.critical_path import critical_path
+from detectors.critical_path import critical_path_times, hop_callees
 from spikehound.model import Span, SpanKind
 
 __all__ = ["Stage", "entry_stage_times"]
@@ -72,7 +72,7 @@ def entry_stage_times(spans: Sequence[Span]) -> list[tuple[Span, dict[Stage, int
     for s in spans:
         by_id.setdefault(s.span_id, s)
     done: dict[bytes, dict[Stage, int]] = {}
-    _book_path(list(by_id.values()), by_id, done)
+    _book_path(list(by_id.values()), done)
     entries = [s for s in by_id.values() if _is_entry(s)]
     missed = [e for e in entries if e.span_id not in done]
     if missed:  # entries off the trace's path: each walks its own subtree
@@ -83,7 +83,7 @@ def entry_stage_times(spans: Sequence[Span]) -> list[tuple[Span, dict[Stage, int
                 children.setdefault(parent, []).append(s)
         for entry in sorted(missed, key=lambda s: (s.start_unix_nano, s.span_id)):
             if entry.span_id not in done:
-                _book_path(_subtree(entry, children), by_id, done)
+                _book_path(_subtree(entry, children), done)
     entries.sort(key=lambda s: (s.start_unix_nano, s.span_id))
     return [(e, done[e.span_id]) for e in entries if e.span_id in done]
 
@@ -100,39 +100,36 @@ def _subtree(root: Span, children: dict[bytes, list[Span]]) -> list[Span]:
     return out
 
 
-def _book_path(spans: list[Span], by_id: dict[bytes, Span], done: dict[bytes, dict[Stage, int]]) -> None:
-    """Compute the critical path of ``spans`` and book its self times to every entry span on it."""
-    path = critical_path(spans)
-    if not path:
-        return
-    on_path = set(path)
-    kids: dict[bytes, list[Span]] = {}
-    root: Span | None = None
-    for span_id in path:
-        span = by_id[span_id]
+def _book_path(spans: list[Span], done: dict[bytes, dict[Stage, int]]) -> None:
+    """Book the self times of the critical path of ``spans`` to every entry span above them on it."""
+    path = critical_path_times(spans)
+    on_path = {span.span_id: span for span, _ in path}
+
+    def path_parent(span: Span) -> Span | None:
         parent = span.parent_span_id
-        if parent is not None and parent != span_id and parent in on_path:
-            kids.setdefault(parent, []).append(span)
-        elif root is None:
-            root = span
-    assert root is not None
-    # Walk from the root: (span, effective start, effective end, stage dicts of the entry spans above it).
-    stack: list[tuple[Span, int, int, list[dict[Stage, int]]]] = [(root, root.start_unix_nano, root.end_unix_nano, [])]
-    while stack:
-        span, start, end, above = stack.pop()
-        if _is_entry(span) and span.span_id not in done:  # an entry is booked by one path only
-            above = [*above, done.setdefault(span.span_id, {})]
-        own = end - start
-        remote = None
-        for child in kids.get(span.span_id, ()):
-            c_end = min(child.end_unix_nano, end)
-            c_start = min(max(child.start_unix_nano, start), c_end)
-            own -= c_end - c_start
-            if span.kind == _CLIENT and child.kind == _SERVER:
-                remote = child
-            stack.append((child, c_start, c_end, above))
-        stage = (Stage("network", remote.service, remote.name, span.service) if remote is not None
+        return on_path.get(parent) if parent is not None and parent != span.span_id else None
+
+    remote = hop_callees(path)
+    # The stage dicts of the entry spans at and above each span on the path, filled parents first (a child
+    # that starts before its parent, by clock skew, sorts before it in the path).
+    above: dict[bytes, list[dict[Stage, int]]] = {}
+
+    def entries_above(span: Span) -> list[dict[Stage, int]]:
+        chain: list[Span] = []
+        node: Span | None = span
+        while node is not None and node.span_id not in above:
+            chain.append(node)
+            node = path_parent(node)
+        inherited = above[node.span_id] if node is not None else []
+        for link in reversed(chain):
+            if _is_entry(link) and link.span_id not in done:  # an entry is booked by one path only
+                inherited = [*inherited, done.setdefault(link.span_id, {})]
+            above[link.span_id] = inherited
+        return inherited
+
+    for span, self_ns in path:
+        callee = remote.get(span.span_id)
+        stage = (Stage("network", callee.service, callee.name, span.service) if callee is not None
                  else Stage("span", span.service, span.name))
-        own = max(own, 0)
-        for stages in above:
-            stages[stage] = stages.get(stage, 0) + own
+        for stages in entries_above(span):
+            stages[stage] = stages.get(stage, 0) + self_ns

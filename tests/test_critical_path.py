@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from detectors.critical_path import critical_path
+from detectors.critical_path import critical_path, critical_path_times, hop_callees
 from spikehound.model import Span, SpanKind, StatusCode
 
 
@@ -84,6 +84,29 @@ def test_child_overrunning_its_parent_is_cut_at_the_parent_end():
 def test_children_after_the_parent_end_are_skipped():
     trace = [make_span(1, None, 0, 100), make_span(2, 1, 100, 130), make_span(3, 1, 20, 70)]
     assert ids(critical_path(trace)) == [1, 3]
+
+
+def test_a_child_that_ended_before_its_parent_started_is_not_waited_for():
+    # Clock skew: the child (on another host) ended 4 ms before its parent began. The parent was not waiting
+    # for it, so it is not on the path and the self times still add up to the root's duration.
+    trace = [make_span(1, None, 0, 100), make_span(2, 1, 40, 80), make_span(3, 2, 30, 36), make_span(4, 2, 50, 70)]
+    path = critical_path_times(trace)
+    assert [(int.from_bytes(s.span_id, "big"), t) for s, t in path] == [(1, 60), (2, 20), (4, 20)]
+    assert sum(t for _, t in path) == 100
+
+
+def test_hop_callees_name_the_server_behind_each_client_on_the_path():
+    def span(i: int, parent: int | None, kind: SpanKind, start: int, end: int) -> Span:
+        s = make_span(i, parent, start, end)
+        s.kind = kind
+        return s
+
+    trace = [span(1, None, SpanKind.SERVER, 0, 100), span(2, 1, SpanKind.CLIENT, 10, 90),
+             span(3, 2, SpanKind.SERVER, 12, 40),   # the first attempt
+             span(4, 2, SpanKind.SERVER, 45, 85),   # the retry: the hop's callee on the path is the last
+             span(5, 1, SpanKind.CLIENT, 91, 99)]   # a database call: no SERVER span behind it
+    callees = hop_callees(critical_path_times(trace))
+    assert {int.from_bytes(k, "big"): int.from_bytes(v.span_id, "big") for k, v in callees.items()} == {2: 4}
 
 
 def test_deep_chain_of_2000_spans_does_not_recurse():
