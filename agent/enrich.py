@@ -21,7 +21,6 @@ That halves the agent's CPU per request (about 0.45 ms for 512 spans before).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from spikehound.otlp import PayloadError, count_items, set_any_value
+from spikehound.protowire import LEN, WireError, encode_varint, fields
 
 SENDER_HOST_KEY = "spikehound.sender.host.name"
 
@@ -45,55 +45,8 @@ def machine_id() -> str | None:
     return None
 
 
-_LEN = 2  # protobuf wire type of length-delimited fields (messages, bytes, strings)
 _RESOURCE_FIELD = 1  # ResourceSpans.resource and ResourceMetrics.resource
 _CACHED_RESOURCES = 256
-
-
-class _Unsplittable(Exception):
-    """The encoding uses a wire type the splicer does not walk (groups); re-encode instead."""
-
-
-def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, start of the field, start of its value, end) of each top-level field of a valid encoding."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        start = pos
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        value = pos
-        if wire == 0:
-            _, pos = _varint(buf, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == _LEN:
-            length, value = _varint(buf, pos)
-            pos = value + length
-        elif wire == 5:
-            pos += 4
-        else:
-            raise _Unsplittable
-        yield (key >> 3) if wire == _LEN else -1, start, value, pos
 
 
 class Enricher:
@@ -134,29 +87,29 @@ class Enricher:
         """
         view = memoryview(payload)
         parts: list[bytes | memoryview] = []
-        for field, start, value, end in _fields(payload):
-            if field != 1:  # not a resource_spans / resource_metrics entry: keep as it is
-                parts.append(view[start:end])
+        for top in fields(payload):
+            if top.number != 1 or top.wire != LEN:  # not a resource_spans / resource_metrics entry: keep it
+                parts.append(view[top.start:top.end])
                 continue
-            entry = view[value:end]
+            entry = view[top.value:top.end]
             resource: list[bytes | memoryview] = []
             rest: list[bytes | memoryview] = []
-            for inner, inner_start, inner_value, inner_end in _fields(entry):
-                if inner == _RESOURCE_FIELD:  # a message field given twice is merged, as its parts concatenated
-                    resource.append(entry[inner_value:inner_end])
+            for inner in fields(entry):
+                if inner.number == _RESOURCE_FIELD and inner.wire == LEN:
+                    resource.append(entry[inner.value:inner.end])  # given twice, a message field is merged
                 else:
-                    rest.append(entry[inner_start:inner_end])
+                    rest.append(entry[inner.start:inner.end])
             enriched = self._enriched_resource(b"".join(resource))
-            head = b"\x0a" + _encode_varint(len(enriched))  # field 1, length-delimited
+            head = b"\x0a" + encode_varint(len(enriched))  # field 1, length-delimited
             size = len(head) + len(enriched) + sum(len(part) for part in rest)
-            parts += [b"\x0a" + _encode_varint(size), head, enriched, *rest]
+            parts += [b"\x0a" + encode_varint(size), head, enriched, *rest]
         return b"".join(parts)
 
     def _enrich_request(self, request: Any, entries: Any, payload: bytes) -> tuple[bytes, int]:
         _parse(request, payload)
         try:
             return self._splice(payload), count_items(request)
-        except _Unsplittable:
+        except WireError:  # groups: re-encode instead
             for entry in entries(request):
                 self._enrich(entry.resource)
             return request.SerializeToString(), count_items(request)

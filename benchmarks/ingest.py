@@ -84,6 +84,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import decode_spans, encode_spans
+from spikehound.protowire import FIXED64, fields
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 TARGET_SPANS_PER_SECOND = 50_000
@@ -216,53 +217,21 @@ def make_workload(requests: int, batch: int, seed: int = SEED) -> Workload:
     return Workload(bodies, [batch] * len(bodies), marker, [_time_offsets(b) for b in bodies], created_ns=now)
 
 
-def _varint(buf: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, wire type, value start, value end) of one protobuf message's fields."""
-    at = start
-    while at < end:
-        key, at = _varint(buf, at)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, after = _varint(buf, at)
-        elif wire == 1:
-            after = at + 8
-        elif wire == 2:
-            size, at = _varint(buf, at)
-            after = at + size
-        elif wire == 5:
-            after = at + 4
-        else:
-            raise ValueError(f"unexpected wire type {wire}")
-        yield number, wire, at, after
-        at = after
-
-
 def _time_offsets(body: bytes) -> Any:
     """Offsets of Span.start_time_unix_nano (7) and end_time_unix_nano (8) in an encoded request."""
     import numpy as np
 
     out = []
-    for n1, _, s1, e1 in _fields(body, 0, len(body)):  # ResourceSpans
+    for n1, _, _, s1, e1 in fields(body):  # ResourceSpans
         if n1 != 1:
             continue
-        for n2, _, s2, e2 in _fields(body, s1, e1):  # ScopeSpans
+        for n2, _, _, s2, e2 in fields(body, s1, e1):  # ScopeSpans
             if n2 != 2:
                 continue
-            for n3, _, s3, e3 in _fields(body, s2, e2):  # Span
+            for n3, _, _, s3, e3 in fields(body, s2, e2):  # Span
                 if n3 != 2:
                     continue
-                out += [s for n, w, s, _ in _fields(body, s3, e3) if n in (7, 8) and w == 1]
+                out += [f.value for f in fields(body, s3, e3) if f.number in (7, 8) and f.wire == FIXED64]
     return np.asarray(out, dtype=np.int64)
 
 
