@@ -66,11 +66,13 @@ def locust_counts(prefix: Path) -> tuple[int, int]:
 def test_locust_traffic_is_what_compare_judges(collector: CollectorProcess, tmp_path: Path):
     since = time.time_ns()
     # --stop-timeout lets each user finish the request it has in flight when the run time is up, so every
-    # request the services served is one Locust counted.
+    # request the services served is one Locust counted. 15 s gives each version some 580 requests: then a
+    # stall of this shared machine that catches one version's in-flight requests cannot move its p99 alone
+    # (at 5 s, about 190 requests, two slow ones did, and compare rightly saw a regression).
     services = [start_service(v, collector.grpc_endpoint, tmp_path / f"service-{v}.log") for v in VERSIONS]
     try:
         runs = [subprocess.Popen([LOCUST, "-f", str(EXAMPLE / "locustfile.py"), "--headless", "--users", "4",
-                                  "--spawn-rate", "4", "--run-time", "5s", "--stop-timeout", "20", "--host", url,
+                                  "--spawn-rate", "4", "--run-time", "15s", "--stop-timeout", "20", "--host", url,
                                   "--json-file",
                                   str(tmp_path / version), "--only-summary", "--loglevel", "WARNING"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path)
