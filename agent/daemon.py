@@ -28,7 +28,7 @@ from agent.samplers.cpu import CpuSampler
 from agent.samplers.network import NetworkSampler
 from agent.samplers.nvml import NvmlSampler
 from agent.sampling import Sampler, SamplingLoop
-from agent.spool import DiskSpool, Item, Signal
+from agent.spool import DiskSpool, Item, Signal, SpoolWriteError
 from agent.telemetry import AgentMetrics, registry_for
 from spikehound import __version__
 from spikehound.config import SECTIONS, Config
@@ -75,7 +75,7 @@ class Agent:
         self.intake = Intake(Enricher(identity), self.queue)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
-        self.forwarder = Forwarder(self.queue, a.collector, a.collector_token)
+        self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log)
         registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge))
         try:
             self._grpc, self.grpc_port = await start_grpc(self.intake, a.otlp_grpc, a.max_request_bytes)
@@ -96,7 +96,10 @@ class Agent:
             self._tasks.append(task)
 
     def _queue_own_metrics(self, payload: bytes, points: int) -> bool:
-        return self.queue.put(Item(Signal.METRICS, payload, points))
+        try:
+            return self.queue.put(Item(Signal.METRICS, payload, points))
+        except SpoolWriteError:  # logged and counted by the spool; the samples of this tick are lost
+            return False
 
     async def _sample_forever(self) -> None:
         interval = self.cfg.agent.interval
@@ -143,7 +146,7 @@ class Agent:
         if hasattr(self, "queue"):
             left = self.queue.spill_memory()
             if left:
-                log.error("spool full at shutdown: %d queued requests could not be kept", left)
+                log.error("spool full or not writable at shutdown: %d queued requests could not be kept", left)
             if len(self.queue.spool):
                 log.info("%d requests left in the disk spool for the next start", len(self.queue.spool))
             self.queue.close()

@@ -4,8 +4,14 @@ New requests go to memory while there is room and nothing is spooled; once
 memory is full (the collector is away or pushing back) they go to the spool,
 and keep going there until it is drained, so replay order is arrival order.
 When the spool is full too, ``put`` returns False and the receivers push back
-on their senders. On shutdown the unsent memory items are written to the head
-of the spool, ahead of what was spooled later.
+on their senders; when the disk refuses a write, ``put`` raises
+``SpoolWriteError`` and they ask the sender to retry. On shutdown the unsent
+memory items are written to the head of the spool, ahead of what was spooled
+later.
+
+``max_request_bytes`` is the largest request the collector takes: the
+receivers split anything larger before it is queued, and the forwarder lowers
+it when the collector refuses a request as too large.
 
 >>> import tempfile
 >>> from pathlib import Path
@@ -24,6 +30,10 @@ import asyncio
 from collections import deque
 
 from agent.spool import DiskSpool, Item, Signal
+from spikehound.config import CollectorConfig
+
+# The collector's own default collector.max_request_bytes: what the agent assumes until the collector says otherwise.
+COLLECTOR_MAX_REQUEST_BYTES = CollectorConfig().max_request_bytes
 
 
 class ForwardQueue:
@@ -37,6 +47,7 @@ class ForwardQueue:
         self._ready = asyncio.Event() if _has_loop() else None
         self._arrival: asyncio.Future[None] | None = None  # resolved by the next put
         self.spilled_items = 0  # requests that went to disk
+        self.max_request_bytes = COLLECTOR_MAX_REQUEST_BYTES  # largest request the collector accepts
 
     @property
     def memory_items(self) -> int:
@@ -50,12 +61,20 @@ class ForwardQueue:
         return len(self._memory) + len(self.spool)
 
     def put(self, item: Item) -> bool:
-        """Queue ``item``; False when neither memory nor the spool has room (push back)."""
-        if not len(self.spool) and self._memory_used + item.size <= self.memory_bytes:
-            self._memory.append(item)
-            self._memory_used += item.size
-        elif self.spool.append(item):
-            self.spilled_items += 1
+        """Queue ``item``; False when neither memory nor the spool has room (push back).
+
+        Raises SpoolWriteError when it had to go to disk and the disk refused it.
+        """
+        return self.put_all([item])
+
+    def put_all(self, items: list[Item]) -> bool:
+        """Queue ``items`` (the pieces of one request), all or none, as ``put``."""
+        size = sum(item.size for item in items)
+        if not len(self.spool) and self._memory_used + size <= self.memory_bytes:
+            self._memory.extend(items)
+            self._memory_used += size
+        elif self.spool.extend(items):
+            self.spilled_items += len(items)
         else:
             return False
         if self._ready is not None:

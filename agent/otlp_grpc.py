@@ -1,7 +1,10 @@
 """The agent's local OTLP/gRPC receiver (TraceService and MetricsService).
 
 Requests arrive as raw bytes (no generated stubs on the hot path): they are
-enriched and queued, and the answer is an empty Export response.
+enriched and queued, and the answer is an Export response, empty unless
+``partial_success`` reports spans or points too large to forward. A full
+queue answers RESOURCE_EXHAUSTED, a disk that refuses the spool UNAVAILABLE,
+both with a ``RetryInfo``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.rpc import code_pb2
 
-from agent.intake import Intake, QueueFull
+from agent.intake import Intake, QueueFull, QueueUnavailable
 from agent.spool import Signal
 from spikehound.config import HostPort
 from spikehound.otlp import PayloadError, retry_trailers
@@ -32,13 +35,17 @@ RECEIVE_WINDOW_BYTES = 4 << 20
 def _export(intake: Intake, signal: Signal) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
     async def export(payload: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            intake.accept(signal, payload, "grpc")
+            accepted = intake.accept(signal, payload, "grpc")
         except PayloadError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             trailers = retry_trailers(code_pb2.RESOURCE_EXHAUSTED, str(exc), RETRY_AFTER_SECONDS)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=trailers)
-        return b""  # an empty ExportTraceServiceResponse / ExportMetricsServiceResponse
+        except QueueUnavailable as exc:
+            trailers = retry_trailers(code_pb2.UNAVAILABLE, str(exc), RETRY_AFTER_SECONDS)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=trailers)
+        # An empty ExportTraceServiceResponse / ExportMetricsServiceResponse unless something was rejected.
+        return accepted.response().SerializeToString() if accepted.rejected else b""
 
     return export
 

@@ -3,7 +3,8 @@
 JSON bodies are converted to protobuf here, so the forward queue and the
 collector only ever see protobuf. Errors follow the OTLP/HTTP specification
 (400 unreadable, 413 too large, 415 unknown media type, 429 + Retry-After
-when the queue is full).
+when the queue is full, 503 + Retry-After when the disk refuses the spool);
+spans or points too large to forward are reported in ``partial_success``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from aiohttp import web
 from google.protobuf import json_format
 from google.rpc import status_pb2
 
-from agent.intake import Intake, QueueFull
+from agent.intake import Intake, QueueFull, QueueUnavailable
 from agent.otlp_grpc import RETRY_AFTER_SECONDS
 from agent.spool import Signal
 from spikehound.otlp import MEDIA_TYPES, BodyTooLarge, PayloadError, gunzip
@@ -51,7 +52,7 @@ def http_app(intake: Intake, max_request_bytes: int) -> web.Application:
                 except PayloadError:  # accept() counts the requests it cannot read; count a broken gzip too
                     intake.invalid_requests["http"] += 1
                     raise
-            intake.accept(signal, body, "http", json=as_json)
+            accepted = intake.accept(signal, body, "http", json=as_json)
         except (web.HTTPRequestEntityTooLarge, BodyTooLarge):
             intake.invalid_requests["http"] += 1
             return _status(3, f"request body exceeds {max_request_bytes} bytes", 413, as_json)
@@ -59,9 +60,15 @@ def http_app(intake: Intake, max_request_bytes: int) -> web.Application:
             return _status(3, str(exc), 400, as_json)
         except QueueFull as exc:
             return _status(8, str(exc), 429, as_json, retry_after=RETRY_AFTER_SECONDS)
+        except QueueUnavailable as exc:
+            return _status(14, str(exc), 503, as_json, retry_after=RETRY_AFTER_SECONDS)
+        if accepted.rejected and as_json:
+            return web.Response(text=json_format.MessageToJson(accepted.response(), indent=None),
+                                content_type="application/json")
         if as_json:
             return web.json_response({})
-        return web.Response(body=b"", content_type="application/x-protobuf")
+        body = accepted.response().SerializeToString() if accepted.rejected else b""
+        return web.Response(body=body, content_type="application/x-protobuf")
 
     async def traces(request: web.Request) -> web.Response:
         return await handle(request, Signal.TRACES)

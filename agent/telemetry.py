@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from agent.forward_queue import ForwardQueue
-from agent.forwarder import Forwarder
+from agent.forwarder import REASONS, Forwarder
 from agent.intake import Intake
 from agent.metrics_out import MetricsBridge
 from agent.sampling import SamplingLoop
@@ -36,20 +36,33 @@ class AgentMetrics(Collector):
         forwarded = CounterMetricFamily("spikehound_agent_forwarded", "Spans or metric points the collector "
                                         "acknowledged.", labels=["signal"])
         dropped = CounterMetricFamily("spikehound_agent_dropped", "Spans or metric points dropped: the collector "
-                                      "rejected them as invalid, or the queue refused the agent's own samples.",
+                                      "rejected them as invalid (rejected_by_collector), one alone was larger than "
+                                      "the collector accepts in a request (too_large), or the queue refused the "
+                                      "agent's own samples (queue_full: full, or the disk refused the spool).",
                                       labels=["signal", "reason"])
         refused = CounterMetricFamily("spikehound_agent_refused", "Spans or metric points pushed back to local "
                                       "senders because the queue and spool were full (the sender retries).",
                                       labels=["signal"])
+        unavailable = CounterMetricFamily("spikehound_agent_unavailable", "Spans or metric points refused to local "
+                                          "senders with UNAVAILABLE / 503 because the disk spool could not be "
+                                          "written (disk full, file too large; the sender retries).",
+                                          labels=["signal"])
         requests = CounterMetricFamily("spikehound_agent_forward_requests", "Requests the collector acknowledged; "
                                        "queued requests of a signal are merged into one.", labels=["signal"])
+        split = CounterMetricFamily("spikehound_agent_split_requests", "Requests cut into several because they were "
+                                    "larger than the collector accepts (see spikehound_agent_forward_max_request_"
+                                    "bytes).", labels=["signal"])
+        stats = self.forwarder.stats
         for signal, name in _SIGNALS.items():
-            forwarded.add_metric([name], self.forwarder.stats.forwarded[signal])
-            requests.add_metric([name], self.forwarder.stats.requests[signal])
-            dropped.add_metric([name, "rejected_by_collector"], self.forwarder.stats.dropped[signal])
+            forwarded.add_metric([name], stats.forwarded[signal])
+            requests.add_metric([name], stats.requests[signal])
+            dropped.add_metric([name, "rejected_by_collector"], stats.dropped[signal])
+            dropped.add_metric([name, "too_large"], stats.too_large[signal] + self.intake.too_large[signal])
             refused.add_metric([name], self.intake.refused[signal])
+            unavailable.add_metric([name], self.intake.unavailable[signal])
+            split.add_metric([name], stats.split_requests[signal] + self.intake.split_requests[signal])
         dropped.add_metric(["metrics", "queue_full"], self.bridge.refused_points)
-        yield from (forwarded, requests, dropped, refused)
+        yield from (forwarded, requests, dropped, refused, unavailable, split)
         invalid = CounterMetricFamily("spikehound_agent_invalid_requests", "Requests from local senders that could "
                                       "not be read.", labels=["protocol"])
         for protocol, n in sorted(self.intake.invalid_requests.items()):
@@ -58,15 +71,35 @@ class AgentMetrics(Collector):
         yield CounterMetricFamily("spikehound_agent_spilled_requests", "Requests written to the disk spool.",
                                   value=self.queue.spilled_items)
         yield CounterMetricFamily("spikehound_agent_forward_retries", "Failed forwarding attempts that will be "
-                                  "retried.", value=self.forwarder.stats.retries)
+                                  "retried.", value=stats.retries)
+        failures = CounterMetricFamily("spikehound_agent_forward_failures", "Forwarding attempts that failed, by "
+                                       "reason: unavailable (unreachable or down), backpressure (its queue is full), "
+                                       "timeout, unauthenticated (wrong agent.collector_token), too_large (split and "
+                                       "sent again), other.", labels=["reason"])
+        for reason in (*REASONS, "too_large"):
+            failures.add_metric([reason], stats.failures[reason])
+        yield failures
+        yield GaugeMetricFamily("spikehound_agent_forward_stalled_seconds", "Seconds forwarding has failed without "
+                                "anything reaching the collector; 0 while it flows. The agent's log says why.",
+                                value=self.forwarder.stalled_seconds)
+        yield GaugeMetricFamily("spikehound_agent_forward_max_request_bytes", "Largest request the agent sends: the "
+                                "collector's default limit, or the lower one it named when it refused a request.",
+                                value=self.queue.max_request_bytes)
         yield GaugeMetricFamily("spikehound_agent_queue_memory_bytes", "Bytes waiting in the memory queue.",
                                 value=self.queue.memory_used)
         yield GaugeMetricFamily("spikehound_agent_spool_bytes", "Bytes waiting in the disk spool.",
                                 value=self.queue.spool.bytes_used)
         yield GaugeMetricFamily("spikehound_agent_spool_requests", "Requests waiting in the disk spool.",
                                 value=len(self.queue.spool))
-        yield CounterMetricFamily("spikehound_agent_spool_corrupt_records", "Spool records skipped because their "
-                                  "checksum failed.", value=self.queue.spool.corrupt_records)
+        spool = self.queue.spool
+        yield CounterMetricFamily("spikehound_agent_spool_corrupt_records", "Damaged spool records skipped: a "
+                                  "record failing its checksum, or a damaged stretch up to the next sound record.",
+                                  value=spool.corrupt_records)
+        yield CounterMetricFamily("spikehound_agent_spool_skipped_bytes", "Bytes of damaged spool data skipped.",
+                                  value=spool.skipped_bytes)
+        yield CounterMetricFamily("spikehound_agent_spool_write_errors", "Appends to the disk spool that the disk "
+                                  "refused (full, file too large); rolled back, the sender was told to retry.",
+                                  value=spool.write_errors)
         yield GaugeMetricFamily("spikehound_agent_collector_up", "1 when the last forward attempt succeeded.",
                                 value=1 if self.forwarder.stats.connected else 0)
         runs = CounterMetricFamily("spikehound_agent_sampler_runs", "Sampler runs.", labels=["sampler"])

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from collector import analysis
-from collector.api import READER, ApiError, _json, _range, _run
+from collector.api import READER, ApiError, _json, _range, _run, whole_number
 from detectors.compare import CompareOptions
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|ms|s)?\s*$")
@@ -47,12 +47,7 @@ def _number(request: web.Request, name: str, default: float | None, low: float, 
 
 
 def _int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
-        raise ApiError(400, f"{name} must be a whole number from {low} to {high}")
-    return int(raw)
+    return whole_number(request.query.get(name), name, default, low, high)
 
 
 def _selection(request: web.Request, name: str, *, required: bool = True) -> analysis.Selection:

@@ -18,19 +18,22 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from collector.cross_site import Site, cross_site_middleware
 from collector.ingest import bearer_ok
 from collector.openapi import openapi_document
 from collector.telemetry import CollectorTelemetry
 from collector.web.routes import add_web_pages, is_web_path
 from detectors.critical_path import critical_path
 from spikehound.model import Cause, Span, Spike
-from spikehound.timefmt import NS, parse_time, rfc3339
+from spikehound.timefmt import MIN_NS, NS, parse_time, rfc3339
 from storage.reader import Reader
 
 T = TypeVar("T")
 DEFAULT_RANGE_NS = 3600 * NS
 _TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
 _OPEN_PATHS = ("/healthz", "/readyz")
+_WHOLE = re.compile(r"^[0-9]{1,19}$")  # ASCII only: str.isdigit() also takes '²', which int() refuses
+MAX_BODY_BYTES = 1024**2  # aiohttp's own limit on a request body, refused up front by Content-Length
 
 READER = web.AppKey("reader", Reader)
 TELEMETRY = web.AppKey("telemetry", CollectorTelemetry)
@@ -49,19 +52,24 @@ class ApiError(Exception):
 
 
 def make_api(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[], Awaitable[tuple[bool, str]]],
-             token: str) -> web.Application:
+             token: str, site: Site | None = None) -> web.Application:
+    """The API's application; ``site`` names the hosts and origin it answers to (loopback and addresses only
+    when not given), see ``collector.cross_site``."""
+
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
         if (token and request.path not in _OPEN_PATHS and not is_web_path(request.path)  # pages check it themselves
                 and not bearer_ok(request.headers.get("Authorization"), token)):
+            telemetry.api_refused.labels("unauthenticated").inc()
             return _json({"error": "missing or wrong bearer token"}, 401)
         try:
             return await handler(request)
         except ApiError as exc:
             return _json({"error": str(exc)}, exc.status)
 
-    app = web.Application(middlewares=[guard])
+    cross_site = cross_site_middleware(site or Site(), MAX_BODY_BYTES, telemetry.api_refused)
+    app = web.Application(middlewares=[cross_site, guard], client_max_size=MAX_BODY_BYTES)
     app[READER] = reader
     app[TELEMETRY] = telemetry
     app[READY] = ready
@@ -106,19 +114,23 @@ def _time_param(request: web.Request, name: str, default: int) -> int:
 
 def _range(request: web.Request) -> tuple[int, int]:
     until = _time_param(request, "until", time.time_ns())
-    since = _time_param(request, "since", until - DEFAULT_RANGE_NS)
+    since = _time_param(request, "since", max(MIN_NS, until - DEFAULT_RANGE_NS))  # stored times are int64
     if since >= until:
         raise ApiError(400, "since must be before until")
     return since, until
 
 
-def _limit(request: web.Request, default: int, most: int) -> int:
-    raw = request.query.get("limit")
-    if raw is None:
+def whole_number(raw: str | None, name: str, default: int, low: int, high: int) -> int:
+    """A whole-number parameter within [low, high]; ApiError 400 naming it otherwise."""
+    if raw is None or raw == "":
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise ApiError(400, f"limit must be a whole number from 1 to {most}")
+    if not _WHOLE.match(raw) or not low <= int(raw) <= high:
+        raise ApiError(400, f"{name} must be a whole number from {low} to {high}")
     return int(raw)
+
+
+def _limit(request: web.Request, default: int, most: int) -> int:
+    return whole_number(request.query.get("limit"), "limit", default, 1, most)
 
 
 # --- serialisation ----------------------------------------------------------------------------

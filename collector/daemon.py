@@ -20,6 +20,7 @@ from aiohttp import web
 from collector.alerts.alerting import Alerting, public_url
 from collector.alerts.api import add_alert_routes
 from collector.api import make_api
+from collector.cross_site import Site
 from collector.exported_metrics import install_exported_metrics
 from collector.ingest import Ingest
 from collector.ingest_queue import IngestQueue
@@ -94,7 +95,8 @@ class Collector:
             log.warning("OTLP receivers listen beyond loopback without collector.otlp_token: any host that "
                         "reaches them can send data")
         try:
-            api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token)
+            site = Site.from_config(c, links=public_url(cfg, c.api.port))  # the hosts and origin it answers to
+            api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token, site)
             add_jaeger_api(api)
             add_alert_routes(api, self.alerting)
             runner, self.api_port = await start_http(api, c.api, "API")

@@ -35,6 +35,7 @@ from aiohttp import web
 
 from collector.api import EXECUTOR, READER
 from spikehound.model import Span, StatusCode
+from spikehound.timefmt import MAX_NS, MIN_NS
 from storage import trace_search
 from storage.trace_search import TraceQuery
 
@@ -45,7 +46,11 @@ DEFAULT_LIMIT = 100  # Jaeger's default number of traces
 MAX_LIMIT = 1_500  # the most Jaeger's UI asks for
 DEFAULT_SEARCH_LOOKBACK_US = 2 * 24 * 3600 * 1_000_000  # Jaeger: two days before ``end``
 DEFAULT_DEPENDENCY_LOOKBACK_MS = 24 * 3600 * 1000
+# Times storage can hold (signed 64-bit nanoseconds), in the API's microseconds and milliseconds.
+_US_RANGE = (-(-MIN_NS // 1_000), MAX_NS // 1_000)
+_MS_RANGE = (-(-MIN_NS // 1_000_000), MAX_NS // 1_000_000)
 _HEX = re.compile(r"^[0-9a-fA-F]{1,32}$")
+_INTEGER = re.compile(r"^-?[0-9]{1,20}$")  # ASCII digits: int() would also read '١٢' and '1_000'
 _DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "μs": 1_000, "ms": 1_000_000, "s": 1_000_000_000,
             "m": 60_000_000_000, "h": 3_600_000_000_000}
@@ -116,6 +121,8 @@ def go_duration_ns(text: str) -> int:
             raise ValueError(f"invalid duration {text!r} (expected e.g. 1.5s, 300ms, 250us)")
         total += float(part.group(1)) * _UNIT_NS[part.group(2)]
         pos = part.end()
+    if not total <= MAX_NS:  # also inf, from hundreds of digits
+        raise ValueError(f"duration {text[:40]!r} is longer than storage's 292 years")
     return round(total)
 
 
@@ -131,14 +138,16 @@ def jaeger_trace_id(trace_id: bytes) -> str:
     return trace_id[8:].hex() if not any(trace_id[:8]) else trace_id.hex()
 
 
-def _int_param(request: web.Request, name: str, default: int) -> int:
+def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    """An integer parameter within [low, high]; a 400 naming it otherwise (never an overflow in storage)."""
     raw = request.query.get(name, "")
     if raw == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise JaegerError(400, f"unable to parse {name}: {raw[:40]!r} is not an integer") from None
+    if not _INTEGER.match(raw):
+        raise JaegerError(400, f"unable to parse {name}: {raw[:40]!r} is not an integer")
+    if not low <= int(raw) <= high:
+        raise JaegerError(400, f"{name} {raw} is out of range {low} to {high}")
+    return int(raw)
 
 
 def _duration_param(request: web.Request, name: str) -> int | None:
@@ -299,11 +308,9 @@ async def find_traces(request: web.Request) -> web.Response:
     service = q.get("service", "")
     if not service:
         raise JaegerError(400, "parameter 'service' is required")
-    end_us = _int_param(request, "end", time.time_ns() // 1000)
-    start_us = _int_param(request, "start", end_us - DEFAULT_SEARCH_LOOKBACK_US)
-    limit = _int_param(request, "limit", DEFAULT_LIMIT) or DEFAULT_LIMIT
-    if limit < 0:
-        raise JaegerError(400, "limit must not be negative")
+    end_us = _int_param(request, "end", time.time_ns() // 1000, *_US_RANGE)
+    start_us = _int_param(request, "start", max(_US_RANGE[0], end_us - DEFAULT_SEARCH_LOOKBACK_US), *_US_RANGE)
+    limit = _int_param(request, "limit", DEFAULT_LIMIT, 0, 2**31) or DEFAULT_LIMIT
     min_ns, max_ns = _duration_param(request, "minDuration"), _duration_param(request, "maxDuration")
     if min_ns and max_ns and max_ns < min_ns:
         raise JaegerError(400, "'maxDuration' should be greater than 'minDuration'")
@@ -322,12 +329,10 @@ async def find_traces(request: web.Request) -> web.Response:
 
 
 async def get_dependencies(request: web.Request) -> web.Response:
-    end_ms = _int_param(request, "endTs", time.time_ns() // 1_000_000)
-    lookback_ms = _int_param(request, "lookback", 0) or DEFAULT_DEPENDENCY_LOOKBACK_MS
-    if lookback_ms < 0:
-        raise JaegerError(400, "lookback must not be negative")
+    end_ms = _int_param(request, "endTs", time.time_ns() // 1_000_000, *_MS_RANGE)
+    lookback_ms = _int_param(request, "lookback", 0, 0, _MS_RANGE[1] - _MS_RANGE[0]) or DEFAULT_DEPENDENCY_LOOKBACK_MS
     links = await _run(request, trace_search.dependencies, request.app[READER].engine,
-                       (end_ms - lookback_ms) * 1_000_000, end_ms * 1_000_000)
+                       max(MIN_NS, (end_ms - lookback_ms) * 1_000_000), end_ms * 1_000_000)
     service = request.query.get("service")
     return _answer([{"parent": parent, "child": child, "callCount": n} for parent, child, n in links
                     if not service or service in (parent, child)])

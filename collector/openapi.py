@@ -84,7 +84,31 @@ def openapi_document() -> dict[str, Any]:
 
     doc["paths"].update(OPENAPI_PATHS)
     doc["components"]["schemas"] = {**doc["components"]["schemas"], **OPENAPI_SCHEMAS}
+    _add_refusals(doc)
     return doc
+
+
+# What collector/cross_site.py answers before any handler (docs/operations.md, Security).
+_REFUSALS = {
+    "MisdirectedRequest": ("421", "the Host header is not a name of this collector (DNS rebinding); see "
+                                  "collector.allowed_hosts"),
+    "CrossOrigin": ("403", "sent on behalf of another site's page (Origin or Sec-Fetch-Site)"),
+    "TooLarge": ("413", "the request body is over 1 MiB"),
+    "UnsupportedMediaType": ("415", "a request body that is not application/json"),
+}
+
+
+def _add_refusals(doc: dict[str, Any]) -> None:
+    """Every operation may be refused for its Host; those that change state also for their origin and body."""
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    doc["components"]["responses"].update({name: {"description": text, **error}
+                                           for name, (_, text) in _REFUSALS.items()})
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            names = [] if path in ("/healthz", "/readyz") else ["MisdirectedRequest"]
+            if method not in ("get", "head", "options"):
+                names += ["CrossOrigin", "TooLarge", "UnsupportedMediaType"]
+            operation["responses"].update({_REFUSALS[n][0]: {"$ref": f"#/components/responses/{n}"} for n in names})
 
 
 def _core_document() -> dict[str, Any]:

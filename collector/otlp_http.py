@@ -3,7 +3,10 @@
 Answers follow the OTLP/HTTP specification: the response (or the error
 ``google.rpc.Status``) is encoded like the request; overload is 429 and a
 storage failure 503, both with ``Retry-After``; bad payloads are 400, an
-unknown media type 415 and an oversized body 413, each with a message.
+unknown media type 415 and an oversized body 413, each with a message. A
+``Content-Length`` over the limit is refused before any of the body is read;
+a sender that hangs up mid-upload is counted in
+``spikehound_ingest_aborted_requests_total`` and logged at debug level only.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.rpc import status_pb2
@@ -77,16 +81,35 @@ class HttpReceiver:
         if encoding not in ("gzip", "identity", ""):
             counted.labels("http", "unsupported_encoding").inc()
             return self._status(as_json, 415, f"unsupported Content-Encoding {encoding!r}; use gzip or none")
+        too_large = f"request body exceeds {self.max_request_bytes} bytes"
+        if request.content_length is not None and request.content_length > self.max_request_bytes:
+            counted.labels("http", "too_large").inc()  # said up front: none of the body is read
+            response = self._status(as_json, 413, too_large)
+            response.force_close()  # the unread rest of the body is not worth keeping the connection for
+            return response
         try:
             body = await request.read()
+        except ConnectionError as exc:
+            # The sender hung up mid-upload: routine for a client that timed out or was killed, so no
+            # traceback; the answer below goes nowhere.
+            self.ingest.telemetry.aborted_requests.labels("http").inc()
+            log.debug("OTLP/HTTP sender %s hung up mid-upload: %s", request.remote, exc)
+            return self._status(as_json, 400, "the request body did not arrive")
+        except PayloadEncodingError as exc:  # a broken chunked encoding
+            counted.labels("http", "bad_payload").inc()
+            return self._status(as_json, 400, f"unreadable request body: {exc.message}")
+        except web.HTTPRequestEntityTooLarge:
+            counted.labels("http", "too_large").inc()
+            return self._status(as_json, 413, too_large)
+        try:
             if encoding == "gzip":
                 body = gunzip(body, self.max_request_bytes)
             request_message = parse(body, json=as_json)
             self.ingest.check_room(signal, count_items(request_message))
             decoded = decode(request_message, None if as_json else body)
-        except (web.HTTPRequestEntityTooLarge, BodyTooLarge):
+        except BodyTooLarge:
             counted.labels("http", "too_large").inc()
-            return self._status(as_json, 413, f"request body exceeds {self.max_request_bytes} bytes")
+            return self._status(as_json, 413, too_large)
         except PayloadError as exc:
             counted.labels("http", "bad_payload").inc()
             return self._status(as_json, 400, str(exc))

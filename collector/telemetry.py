@@ -47,6 +47,14 @@ class CollectorTelemetry:
         self.rejected_requests = Counter("spikehound_ingest_rejected_requests",
                                          "Whole export requests refused before decoding.",
                                          ["protocol", "reason"], registry=r)
+        self.aborted_requests = Counter("spikehound_ingest_aborted_requests",
+                                        "Export requests whose sender hung up before the whole body arrived.",
+                                        ["protocol"], registry=r)
+        self.api_refused = Counter("spikehound_api_refused_requests",
+                                   "Requests on the API port refused before their handler: host (a Host that is "
+                                   "not the collector's, as in DNS rebinding), cross_origin (sent by another "
+                                   "site's page), media_type (a body that is not JSON), too_large, "
+                                   "unauthenticated.", ["reason"], registry=r)
         self.queue_items = Gauge("spikehound_ingest_queue_items",
                                  "Spans and points accepted but not yet committed.", registry=r)
         self.queue_capacity = Gauge("spikehound_ingest_queue_capacity",

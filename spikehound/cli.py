@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -30,6 +31,22 @@ COLLECTOR_FLAGS = {"db": "storage.url", "api": "collector.api", "otlp_grpc": "co
 AGENT_FLAGS = {"db": "storage.url", "collector": "agent.collector", "otlp_grpc": "agent.otlp_grpc",
                "otlp_http": "agent.otlp_http", "interval": "agent.interval", "log_level": "log.level",
                "log_format": "log.format"}
+
+
+# C0 and C1 controls (ESC and CSI start ANSI sequences; CR and BS overwrite), DEL, and the bidirectional
+# overrides that reorder what a terminal shows.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _safe(text: object) -> str:
+    r"""Untrusted text (names, summaries and errors from spans or the API) fit for a terminal: each control
+    character shown as an escape, so a service name cannot recolour, retitle or rewrite the screen.
+
+    >>> _safe("gateway\x1b[2J\x1b]0;pwned\x07"), _safe("a\u202eb\tc")
+    ('gateway\\x1b[2J\\x1b]0;pwned\\x07', 'a\\u202eb\\x09c')
+    """
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}",
+                            str(text))
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -114,9 +131,10 @@ def _api_get(base: str, path: str, params: dict[str, str] | None = None) -> Any:
 
 
 def _print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    for row in (header, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
+    cells = [[_safe(x) for x in row] for row in (header, *rows)]
+    widths = [max(len(x) for x in col) for col in zip(*cells, strict=False)]
+    for row in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
 
 
 def _print_spikes(spikes: Sequence[dict[str, Any]]) -> None:
@@ -170,16 +188,17 @@ def cmd_spike(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(spike, indent=2))
         return 0
-    print(f"spike {spike['id']} ({spike['state']}) on {spike['service']} {spike['operation']}")
-    print(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
-          f"against a baseline of {spike['baseline_p99_ms']:.1f} ms")
+    print(_safe(f"spike {spike['id']} ({spike['state']}) on {spike['service']} {spike['operation']}"))
+    print(_safe(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
+                f"against a baseline of {spike['baseline_p99_ms']:.1f} ms"))
     for rank, cause in enumerate(spike["causes"], 1):
-        print(f"  {rank}. [{cause['kind']}] {cause['summary']} (explains {cause['score']:.0%} of the added latency)")
+        print(_safe(f"  {rank}. [{cause['kind']}] {cause['summary']} "
+                    f"(explains {cause['score']:.0%} of the added latency)"))
     for trace_id in spike["exemplar_trace_ids"]:
-        print(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}")
+        print(_safe(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}"))
     from collector.web.links import spike_page_url
 
-    print(f"  page  {spike_page_url(args.api_url, spike['id'])}")
+    print(_safe(f"  page  {spike_page_url(args.api_url, spike['id'])}"))
     return 0
 
 
@@ -230,13 +249,13 @@ def _print_report(args: argparse.Namespace, report: dict[str, Any], lines: Seque
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
-        print("\n".join(lines))
+        print("\n".join(_safe(line) for line in lines))
 
 
 def _cannot_run(command: str, exc: Exception) -> int:
     if isinstance(exc, urllib.error.HTTPError):
         detail = exc.read().decode(errors="replace")[:300]
-        print(f"spikehound {command}: {exc.url} answered {exc.code}: {detail}", file=sys.stderr)
+        print(_safe(f"spikehound {command}: {exc.url} answered {exc.code}: {detail}"), file=sys.stderr)
     elif isinstance(exc, urllib.error.URLError):
         print(f"spikehound {command}: cannot reach the collector API: {exc.reason}", file=sys.stderr)
     else:
@@ -297,8 +316,8 @@ def cmd_baseline_save(args: argparse.Namespace) -> int:
         return _cannot_run("baseline save", exc)
     requests = sum(op["latency_ns"]["n"] for op in profile["operations"])
     if args.output != "-":
-        print(f"saved the baseline of {profile['selector']} ({requests:,} requests in "
-              f"{len(profile['operations'])} operations) to {args.output}", file=sys.stderr)
+        print(_safe(f"saved the baseline of {profile['selector']} ({requests:,} requests in "
+                    f"{len(profile['operations'])} operations) to {args.output}"), file=sys.stderr)
     return 0 if requests else 2
 
 
@@ -459,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"spikehound: bad configuration: {exc}", file=sys.stderr)
         return 2
     except urllib.error.HTTPError as exc:
-        print(f"spikehound: {exc.url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}",
+        print(_safe(f"spikehound: {exc.url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}"),
               file=sys.stderr)
         return 1
     except urllib.error.URLError as exc:

@@ -125,8 +125,10 @@ class CollectorConfig:
     idle_flush_seconds: float = 3.0
     # Most (service, operation) latency streams tracked; the rest are counted as overflow.
     max_streams: int = 10_000
-    # URL that links in alerts and CLI output point at.
+    # URL that links in alerts and CLI output point at; its host is one the API answers to.
     public_url: str = ""
+    # More names the API answers to (a proxy's); IP addresses, localhost and public_url's host always. "*": any.
+    allowed_hosts: list[str] = field(default_factory=list)
     # Span metrics on /metrics: the OpenTelemetry spanmetrics connector's series and model_inference_latency_seconds.
     span_metrics: bool = True
     # Most series per span-metrics histogram; spans of further series go to one overflow series, counted.
@@ -310,14 +312,24 @@ def load(path: str | os.PathLike[str] | None = None, *, env: typing.Mapping[str,
     if path:
         for key, value in _read_toml(Path(path)).items():
             sources[key] = _assign(cfg, key, value, f"{path}")
+    unknown: list[tuple[str, str]] = []  # (variable, key): not a setting, unless a receiver secret names it
     for name, value in env.items():
         if name.startswith(ENV_PREFIX) and name not in ENV_NOT_SETTINGS:
             key = _env_key(name)
-            sources[key] = _assign(cfg, key, value, name)
+            if _known(cfg, key):
+                sources[key] = _assign(cfg, key, value, name)
+            else:
+                unknown.append((name, key))
     for key, value in (flags or {}).items():
         if value is not None:
             source = (flag_names or {}).get(key) or "--" + key.split(".")[-1].replace("_", "-")
             sources[key] = _assign(cfg, key, value, source)
+    # ``url_secret = "env:SPIKEHOUND_SLACK_WEBHOOK_URL"``: the variable holds a secret, it is no setting.
+    named = {getattr(r, k)[4:] for r in cfg.alerts.receivers for k in SECRET_REFERENCE_FIELDS
+             if getattr(r, k).startswith("env:")}
+    for name, key in unknown:
+        if name not in named:
+            raise ConfigError(f"{key} (from {name}): unknown setting")
     _resolve_secret_references(cfg, env, sources)
     _check(cfg, sources)
     return cfg
@@ -348,11 +360,19 @@ def _env_key(name: str) -> str:
     return f"{section}.{key}" if section in SECTIONS and key else rest
 
 
-def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
+def _known(cfg: Config, key: str) -> bool:
+    """Whether ``section.key`` (or a bare top-level key) is a setting."""
     section_name, _, name = key.rpartition(".")
     target: Any = getattr(cfg, section_name, None) if section_name else cfg
     known = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
-    if (section_name and section_name not in SECTIONS) or name not in known or (not section_name and name in SECTIONS):
+    return not ((section_name and section_name not in SECTIONS) or name not in known
+                or (not section_name and name in SECTIONS))
+
+
+def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
+    section_name, _, name = key.rpartition(".")
+    target: Any = getattr(cfg, section_name, None) if section_name else cfg
+    if not _known(cfg, key):
         raise ConfigError(f"{key} (from {source}): unknown setting")
     hint = typing.get_type_hints(type(target))[name]
     try:
@@ -477,6 +497,13 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
         except re.error as exc:
             raise ConfigError(f"{named('agent.process_patterns')}: {pattern!r} is not a regular expression: {exc}"
                               ) from None
+    link = urlsplit(c.public_url)
+    if c.public_url and (link.scheme not in ("http", "https") or not link.hostname):
+        raise ConfigError(f"{named('collector.public_url')}: expected an http:// or https:// URL, got {c.public_url!r}")
+    for name in c.allowed_hosts:
+        if name != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]", name):
+            raise ConfigError(f"{named('collector.allowed_hosts')}: {name!r} is not a host name (no scheme, port "
+                              "or path; \"*\" allows any)")
     url = cfg.database_url
     if not url.startswith(("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")):
         raise ConfigError(f"{named('storage.url')}: expected a sqlite:// or postgresql:// URL, "
@@ -650,8 +677,15 @@ def secret_values(cfg: Config) -> list[str]:
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value) and not isinstance(value, HostPort):
                 walk(value)
+            elif isinstance(value, list):  # [[alerts.receivers]]: url_secret, signing_secret, bearer_token
+                for item in value:
+                    if dataclasses.is_dataclass(item):
+                        walk(item)
             elif isinstance(value, str) and value and f.name.endswith(SECRET_SUFFIXES):
                 found.add(value)
+            elif isinstance(value, str) and f.name == "url" and urlsplit(value).password:
+                password = urlsplit(value).password or ""
+                found.update({password, unquote(password)})
 
     walk(cfg)
     parts = urlsplit(cfg.database_url)

@@ -25,8 +25,9 @@ def rfc3339(unix_nano: int | None) -> str | None:
     return f"{stamp}.{frac:09d}Z" if frac else f"{stamp}Z"
 
 
-_UNIX = re.compile(r"^(\d{1,11})(?:\.(\d{1,9})\d*)?$")
-_FRACTION = re.compile(r"\.(\d+)")
+# ASCII digits only: \d would also match other scripts' digits, which int() reads, or '²', which it refuses.
+_UNIX = re.compile(r"^([0-9]{1,11})(?:\.([0-9]{1,9})[0-9]*)?$")
+_FRACTION = re.compile(r"\.([0-9]+)")
 
 
 def parse_time(text: str) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import resource
 import sqlite3
 import statistics
 import threading
@@ -42,7 +43,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from agent.enrich import machine_id
 from spikehound import __version__
-from tests.daemons import AgentProcess, CollectorProcess, CollectorThread
+from tests.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config
 
 HOST = "gpu-node-3"
 TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -130,9 +131,13 @@ def send_spans(exporter: SpanExporter, resource: dict[str, str], n: int = 4) -> 
     return recording
 
 
-def trace_request(service: str, spans: int = 1, host: str | None = None,
-                  trace_id: bytes | None = None) -> tuple[bytes, bytes]:
-    """A serialized ExportTraceServiceRequest of ``spans`` spans in one new trace, and the trace id."""
+def trace_request(service: str, spans: int = 1, host: str | None = None, trace_id: bytes | None = None,
+                  padding: int = 40, size: int | None = None) -> tuple[bytes, bytes]:
+    """A serialized ExportTraceServiceRequest of ``spans`` spans in one new trace, and the trace id.
+
+    Each span has a ``padding`` attribute of that many bytes; with ``size``, the last span's is grown or
+    shrunk until the request is ``size`` bytes.
+    """
     trace_id = trace_id or os.urandom(16)
     now = time.time_ns()
     req = ExportTraceServiceRequest()
@@ -144,18 +149,22 @@ def trace_request(service: str, spans: int = 1, host: str | None = None,
     for i in range(spans):
         sp = scope.spans.add(trace_id=trace_id, span_id=os.urandom(8), name=f"step-{i % 4}", kind=2,
                              start_time_unix_nano=now - 3_000_000 + i, end_time_unix_nano=now + i)
-        sp.attributes.add(key="padding").value.string_value = "x" * 40
+        sp.attributes.add(key="padding").value.string_value = "x" * padding
+    last = scope.spans[-1].attributes[0].value
+    while size is not None and req.ByteSize() != size:  # length prefixes grow with the padding: settle it
+        last.string_value = "x" * (len(last.string_value) + size - req.ByteSize())
     return req.SerializeToString(), trace_id
 
 
-def retry_info(exc: grpc.RpcError) -> float | None:
-    """The RetryInfo delay in an error's ``grpc-status-details-bin`` trailer (as in test_overload)."""
+def retry_info(exc: grpc.RpcError, code: int = code_pb2.RESOURCE_EXHAUSTED) -> float | None:
+    """The RetryInfo delay in an error's ``grpc-status-details-bin`` trailer (as in test_overload), if its
+    status has ``code``."""
     details = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
     if details is None:
         return None
     status = status_pb2.Status.FromString(details)
     info = error_details_pb2.RetryInfo()
-    if status.code != code_pb2.RESOURCE_EXHAUSTED or not any(d.Unpack(info) for d in status.details):
+    if status.code != code or not any(d.Unpack(info) for d in status.details):
         return None
     return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
 
@@ -637,3 +646,131 @@ def test_agent_metrics_go_out_as_otlp_with_their_own_resource(sqlite_collector: 
     (stored,) = body["series"]
     assert len(stored["points"]) == len(memory)
     assert [p["t"] for p in stored["points"]] == sorted(p["t"] for p in stored["points"])
+
+
+# --- f: a disk that refuses the spool ------------------------------------------------------------
+
+FILE_LIMIT = 120_000  # bytes a spool segment may reach while the "disk is full"
+
+
+@pytest.mark.slow
+def test_a_full_disk_answers_unavailable_and_loses_nothing_acknowledged(collector_process: CollectorProcess, agents):
+    # The collector is away, so requests spill to the spool. Then the agent's RLIMIT_FSIZE (prlimit) stops the
+    # spool segment from growing: the kernel refuses the write (EFBIG) after writing what fits, as a full disk
+    # does (ENOSPC). The agent must cut the partial record off, answer UNAVAILABLE / 503 with a retry delay,
+    # keep serving, and take data again once there is room.
+    agent = agents(collector_process.grpc_endpoint, interval=5.0, SPIKEHOUND_AGENT_MEMORY_QUEUE_BYTES="20000").start()
+    assert agent.proc is not None
+    _, hard = resource.prlimit(agent.proc.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(agent.proc.pid, resource.RLIMIT_FSIZE, (FILE_LIMIT, hard))
+    post = requests.Session()
+    headers = {"Content-Type": "application/x-protobuf"}
+    acked: dict[str, int] = {}  # trace id -> spans
+    for _ in range(200):
+        payload, trace_id = trace_request("disk-full-app", spans=20)
+        r = post.post(f"{agent.http_endpoint}/v1/traces", data=payload, headers=headers, timeout=10)
+        if r.status_code != 200:
+            break
+        acked[trace_id.hex()] = 20
+    else:
+        pytest.fail("the agent never refused a request")
+    assert r.status_code == 503, r.content
+    assert int(r.headers["Retry-After"]) >= 1
+    status = status_pb2.Status.FromString(r.content)
+    assert status.code == code_pb2.UNAVAILABLE and "disk spool cannot be written" in status.message
+    assert len(acked) > 20  # memory and spool took a good number first
+
+    with grpc.insecure_channel(agent.grpc_endpoint) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary(TRACE_METHOD)(trace_request("disk-full-app", spans=20)[0], timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (retry_info(info.value, code_pb2.UNAVAILABLE) or 0) >= 1
+
+    assert agent.running and requests.get(f"{agent.metrics_url}/healthz", timeout=5).status_code == 200
+    assert agent.metric("spikehound_agent_spool_write_errors_total") >= 2
+    assert agent.metric("spikehound_agent_unavailable_total", signal="spans") == 40
+    assert 0 < agent.metric("spikehound_agent_spool_requests") <= len(acked) + 10  # own samples may be there too
+    assert agent.metric("spikehound_agent_spool_bytes") <= FILE_LIMIT
+
+    # Room on the disk again: the next request is taken, and everything acknowledged reaches the collector.
+    resource.prlimit(agent.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
+    payload, trace_id = trace_request("disk-full-app", spans=20)
+    assert post.post(f"{agent.http_endpoint}/v1/traces", data=payload, headers=headers, timeout=10).ok
+    post.close()
+    acked[trace_id.hex()] = 20
+    collector_process.start()
+    wait_until(lambda: agent_idle(agent), 90, "the agent's spool drained into the collector", every=0.5)
+    served = served_span_counts(collector_process.api, set(acked))
+    assert Counter(trace_id for trace_id, _ in served.elements()) == acked  # every acked request whole, once
+    assert agent.metric("spikehound_agent_spool_corrupt_records_total") == 0  # the partial records were cut off
+    assert agent.log_text().count("the disk refused") == 1, agent.log_text()  # one ERROR for the episode
+    assert agent.terminate(30) == 0, agent.log_tail()
+    assert collector_process.terminate(30) == 0
+
+
+# --- g: requests larger than the collector takes ---------------------------------------------------
+
+COLLECTOR_LIMIT = 64 * 1024
+
+
+@pytest.fixture
+def small_collector(tmp_path: Path) -> Iterator[CollectorThread]:
+    """A collector that takes requests of at most COLLECTOR_LIMIT bytes (collector.max_request_bytes)."""
+    cfg = collector_config(f"sqlite:///{tmp_path / 'spikehound.db'}", collector__max_request_bytes=COLLECTOR_LIMIT)
+    with CollectorThread(cfg) as running:
+        yield running
+
+
+def memory_points(api: str) -> int:
+    body = get_json(f"{api}/api/v1/metrics", host=HOST, name="system.memory.utilization")
+    return sum(len(s["points"]) for s in body["series"])
+
+
+@pytest.mark.slow
+def test_requests_over_the_collectors_limit_are_split_and_never_stall_the_agent(small_collector: CollectorThread,
+                                                                              agents):
+    # The application sends a request just under the collector's limit, which the agent's enrichment pushes
+    # over, and small ones that merging would push over too. The agent learns the limit from the refusal,
+    # splits, and everything arrives; its own metrics keep flowing. A span alone over the limit is refused to
+    # its sender (partial_success), counted, and logged once per sender.
+    api = small_collector.api
+    agent = agents(small_collector.grpc_endpoint, interval=0.5).start()
+    with grpc.insecure_channel(agent.grpc_endpoint) as channel:
+        export = channel.unary_unary(TRACE_METHOD)
+        near, near_id = trace_request("llm-server", spans=400, size=COLLECTOR_LIMIT - 16)
+        export(near, timeout=10)
+        small = [trace_request("llm-server", spans=100) for _ in range(3)]
+        for payload, _ in small:
+            export(payload, timeout=10)
+        wait_trace(api, near_id.hex(), 400, timeout=30)
+        for _, trace_id in small:
+            wait_trace(api, trace_id.hex(), 100, timeout=30)
+        assert agent.metric("spikehound_agent_forward_max_request_bytes") == COLLECTOR_LIMIT  # learned
+        assert agent.metric("spikehound_agent_split_requests_total", signal="spans") >= 1
+        assert agent.metric("spikehound_agent_forward_failures_total", reason="too_large") >= 1
+        assert agent.metric("spikehound_agent_forwarded_total", signal="spans") == 700
+
+        # Now the agent knows the limit: a span alone over it is refused to its sender, the rest taken.
+        mixed = ExportTraceServiceRequest.FromString(trace_request("llm-server", spans=3)[0])
+        spans = mixed.resource_spans[0].scope_spans[0].spans
+        spans[1].attributes[0].value.string_value = "x" * COLLECTOR_LIMIT
+        r = requests.post(f"{agent.http_endpoint}/v1/traces", data=mixed.SerializeToString(), timeout=10,
+                          headers={"Content-Type": "application/x-protobuf"})
+        assert r.status_code == 200
+        partial = ExportTraceServiceResponse.FromString(r.content).partial_success
+        assert partial.rejected_spans == 1 and f"larger than the {COLLECTOR_LIMIT} bytes" in partial.error_message
+        wait_trace(api, spans[0].trace_id.hex(), 2)
+        with pytest.raises(grpc.RpcError) as info:
+            export(trace_request("llm-server", spans=1, padding=COLLECTOR_LIMIT)[0], timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "larger than" in info.value.details()
+    assert agent.metric("spikehound_agent_dropped_total", signal="spans", reason="too_large") == 2
+
+    # The agent's own samples keep arriving all along.
+    before = memory_points(api)
+    wait_until(lambda: memory_points(api) >= before + 2, 20, "more of the agent's own samples")
+    assert agent.metric("spikehound_agent_forward_stalled_seconds") == 0
+
+    log = agent.log_text()
+    assert f"requests over {COLLECTOR_LIMIT} bytes are split" in log
+    dropped = [line for line in log.splitlines() if "ERROR" in line and "dropped" in line]
+    assert len(dropped) == 1 and "'llm-server'" in dropped[0], log  # once per sender, not per span
+    assert agent.terminate(30) == 0, agent.log_tail()

@@ -115,3 +115,30 @@ def test_check_config_never_prints_the_slack_url_or_signing_secret(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "XXXXSECRETXXXX" not in done.stdout + done.stderr and "whsec-s3cret" not in done.stdout
     assert tomllib.loads(done.stdout)["alerts"]["routes"][0]["cause_resources"] == ["hw.gpu.utilization"]
+
+
+
+def example_with_its_slack_receiver(tmp_path: Path) -> Path:
+    """systemd/collector.toml with its commented-out receiver and route examples switched on."""
+    text = (Path(__file__).parents[1] / "systemd" / "collector.toml").read_text()
+    start = text.index("# [[alerts.receivers]]")
+    end = text.index("\n\n", start)
+    path = tmp_path / "collector.toml"
+    path.write_text(text[:start] + "\n".join(line.removeprefix("#").removeprefix(" ")
+                                             for line in text[start:end].splitlines()) + text[end:])
+    return path
+
+
+def test_the_example_slack_receiver_reads_its_url_from_the_environment(tmp_path):
+    path = example_with_its_slack_receiver(tmp_path)
+    assert 'url_secret = "env:SPIKEHOUND_SLACK_WEBHOOK_URL"' in path.read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEHOUND_")}
+    done = subprocess.run([sys.executable, "-m", "spikehound.cli", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1],
+                          env={**env, "HOME": str(tmp_path), "SPIKEHOUND_SLACK_WEBHOOK_URL": SLACK_URL})
+    assert done.returncode == 0, done.stderr
+    assert "XXXXSECRETXXXX" not in done.stdout + done.stderr
+    assert tomllib.loads(done.stdout)["alerts"]["receivers"][0]["url_secret"] == "***"
+    # A SPIKEHOUND_ variable that no receiver names must be a setting: a typo is still refused.
+    with pytest.raises(ConfigError, match=r"^slack_webhook_url \(from SPIKEHOUND_SLACK_WEBHOOK_URL\): unknown"):
+        load(env={"SPIKEHOUND_SLACK_WEBHOOK_URL": SLACK_URL})

@@ -255,6 +255,24 @@ def test_429_retry_after_is_honoured(tmp_path, hook):
     assert refused.key == accepted.key and refused.body == accepted.body
 
 
+@pytest.mark.parametrize("retry_after", ["²", "Thu, 01 Jan 99999 00:00:00 GMT", "soon"])
+def test_an_unreadable_retry_after_is_ignored_and_the_outbox_moves_on(tmp_path, hook, retry_after):
+    # str.isdigit() says '²' is a digit and float() refuses it: the attempt must still count, back off and
+    # end in the dead letters, not be tried again and again uncounted.
+    hook.answers, hook.retry_after = [429] * 3, retry_after
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
+                 [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}],
+                 alerts__max_attempts=2)
+    with CollectorThread(cfg) as running:
+        observe(running, spike(1))
+        (dead,) = wait_for("a dead letter", lambda: outbox(running, "dead"), timeout=15)
+        assert dead["attempts"] == 2 and dead["last_error"].startswith("HTTP 429")
+        assert running.metric("spikehound_alert_delivery_attempts_total", receiver="pager", result="retry") == 1
+        observe(running, spike(2, service="model-server"))  # the receiver's queue is not jammed behind it
+        hook.wait_events(1)
+    assert [r.status for r in hook.requests] == [429, 429, 429, 200]
+
+
 @pytest.mark.slow
 def test_dead_letters_are_visible_through_the_api_and_can_be_sent_again(db_url, hook):
     hook.answers = [503] * 3 + [404]
@@ -319,7 +337,8 @@ def test_the_slack_url_is_never_logged_nor_shown(tmp_path, caplog):
 ])
 def test_a_bad_silence_is_refused_with_the_reason(sqlite_collector, body, needle):
     data = body if isinstance(body, str) else orjson.dumps(body)
-    r = requests.post(f"{sqlite_collector.api}/api/v1/silences", data=data, timeout=5)
+    r = requests.post(f"{sqlite_collector.api}/api/v1/silences", data=data, timeout=5,
+                      headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and needle in r.json()["error"]
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +257,38 @@ def test_gzip_bomb_is_413(small_collector: CollectorThread):
              encoding="gzip")
     assert r.status_code == 200, r.content
     assert_still_serving(small_collector)
+
+
+def _raw_post(c: CollectorThread, head: bytes, body: bytes = b"") -> socket.socket:
+    """An OTLP/HTTP request written by hand: headers as given, then ``body`` (maybe less than announced)."""
+    sock = socket.create_connection(("127.0.0.1", c.collector.http_port), timeout=10)
+    sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-protobuf\r\n"
+                 + head + b"\r\n\r\n" + body)
+    return sock
+
+
+def test_an_announced_body_over_the_limit_is_refused_before_it_is_sent(sqlite_collector: CollectorThread):
+    # Ten gigabytes announced, none sent: the answer must not wait for them.
+    with _raw_post(sqlite_collector, b"Content-Length: 10000000000") as sock:
+        answer = sock.recv(4096)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ")
+    limit = sqlite_collector.cfg.collector.max_request_bytes
+    assert status_pb2.Status.FromString(body).message == f"request body exceeds {limit} bytes"
+    assert rejected_requests(sqlite_collector, "http", "too_large") == 1
+    assert_still_serving(sqlite_collector)
+
+
+def test_a_sender_hanging_up_mid_upload_is_counted_without_a_traceback(sqlite_collector: CollectorThread,
+                                                                        caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO)
+    for head, part in ((b"Content-Length: 100000", b"\x0a" * 100), (b"Transfer-Encoding: chunked", b"64\r\n\x0a")):
+        with _raw_post(sqlite_collector, head, part):
+            pass  # closed with most of the body unsent
+    aborted = "spikehound_ingest_aborted_requests_total"
+    deadline = time.monotonic() + 10
+    while sqlite_collector.metric(aborted, protocol="http") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sqlite_collector.metric(aborted, protocol="http") == 2
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
+    assert_still_serving(sqlite_collector)

@@ -17,6 +17,7 @@ import requests
 from sqlalchemy.engine import make_url
 
 from spikehound import logs
+from spikehound.config import load
 from tests.daemons import free_port
 
 SECRETS = {"SPIKEHOUND_COLLECTOR_API_TOKEN": "api-t0ken-7f3a9c", "SPIKEHOUND_COLLECTOR_OTLP_TOKEN": "otlp-t0ken-c41d2e"}
@@ -54,6 +55,37 @@ def test_a_secret_in_a_message_or_an_exception_never_reaches_the_log(tmp_path, f
             lines = [json.loads(line) for line in text.splitlines()]
             assert [entry["level"] for entry in lines] == ["info", "error"]
             assert "app:***@db" in lines[1]["exception"]
+
+
+RECEIVERS = """
+[[alerts.receivers]]
+name = "oncall-slack"
+type = "slack"
+url_secret = "env:SLACK_WEBHOOK_URL"
+
+[[alerts.receivers]]
+name = "ops"
+url = "https://ops:pa55-w0rd@ops.example.com/hook"
+signing_secret = "file:{signing_file}"
+bearer_token = "ops-bearer-t0ken"
+"""
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/XXXXSECRETXXXX"
+
+
+def test_alert_receiver_secrets_never_reach_the_log(tmp_path, restore_logging, capsys):
+    signing_file = tmp_path / "signing"
+    signing_file.write_text("whsec-s3cret\n")
+    path = tmp_path / "collector.toml"
+    path.write_text(RECEIVERS.format(signing_file=signing_file))
+    logs.configure(load(path, env={"SLACK_WEBHOOK_URL": SLACK_URL}))
+    log = logging.getLogger("spikehound.test")
+    log.warning("posting to %s failed", SLACK_URL)
+    log.warning("signed with %s, sent Bearer %s", "whsec-s3cret", "ops-bearer-t0ken")
+    log.warning("redirected to https://ops:pa55-w0rd@ops.example.com/hook")
+    text = capsys.readouterr().err
+    for secret in ("XXXXSECRETXXXX", "whsec-s3cret", "ops-bearer-t0ken", "pa55-w0rd"):
+        assert secret not in text, secret
+    assert "posting to *** failed" in text and "Bearer ***" in text and "https://ops:***@ops.example.com" in text
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:

@@ -19,12 +19,13 @@ from aiohttp import web
 
 from collector.alerts.alerting import Alerting
 from collector.alerts.silences import FIELDS, Silence
-from collector.api import ApiError, _json, _limit
+from collector.api import ApiError, _json, _limit, whole_number
 from collector.openapi import TIME, _nullable, _obj, _query
 from spikehound.timefmt import rfc3339
 from storage.alerts import OutboxRow
 
 ALERTING = web.AppKey("alerting", Alerting)
+INT64_MAX = 2**63 - 1  # storage's ids are 64-bit
 
 
 def add_alert_routes(app: web.Application, alerting: Alerting) -> None:
@@ -99,9 +100,7 @@ async def list_outbox(request: web.Request) -> web.Response:
 
 def _row_id(request: web.Request) -> int:
     raw = request.match_info["row_id"]
-    if not raw.isdigit():
-        raise ApiError(400, "the notification id is a whole number")
-    return int(raw)
+    return whole_number(raw, "the notification id", 0, 1, INT64_MAX)
 
 
 async def get_outbox(request: web.Request) -> web.Response:

@@ -21,6 +21,8 @@ webhook URL is a credential.
 [0.57, 1.13, 2.27, 170.15]
 >>> retry_after_seconds("120", now=0.0), retry_after_seconds("Thu, 01 Jan 1970 00:01:00 GMT", now=0.0)
 (120.0, 60.0)
+>>> retry_after_seconds("²", now=0.0), retry_after_seconds("Thu, 01 Jan 99999 00:00:00 GMT", now=0.0)
+(None, None)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import email.utils
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ NS = 1_000_000_000
 RETRYABLE_STATUS = frozenset({408, 425, 429})
 MAX_RETRY_AFTER_SECONDS = 3600.0
 IDLE_POLL_SECONDS = 5.0
+_DELTA_SECONDS = re.compile(r"^[0-9]+$")  # ASCII: str.isdigit() also takes '²', which float() refuses
 ERROR_PAUSE_SECONDS = 1.0
 
 
@@ -58,15 +62,15 @@ def backoff(attempts: int, initial: float, most: float, rng: random.Random) -> f
 
 
 def retry_after_seconds(value: str | None, now: float) -> float | None:
-    """``Retry-After`` as seconds from ``now``: delta-seconds or an HTTP date (RFC 9110)."""
+    """``Retry-After`` as seconds from ``now``: delta-seconds or an HTTP date (RFC 9110); None when unreadable."""
     if not value:
         return None
     text = value.strip()
-    if text.isdigit():
+    if _DELTA_SECONDS.match(text):
         return min(float(text), MAX_RETRY_AFTER_SECONDS)
     try:
         when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
     return min(max(0.0, when.timestamp() - now), MAX_RETRY_AFTER_SECONDS)
 
@@ -205,3 +209,7 @@ class OutboxDelivery:
                     ch for ch in text if ch.isprintable()), self.clock())
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return Outcome("retry", _describe(exc, receiver.timeout_seconds))
+        except Exception as exc:  # whatever the receiver answered: an attempt that counts, never a jammed outbox
+            log.warning("alert %s to %s: unexpected %s reading the answer", row.idempotency_key[:12], receiver.name,
+                        exc.__class__.__name__)  # no message or traceback: they may hold the receiver's URL
+            return Outcome("retry", f"unreadable answer ({exc.__class__.__name__})")

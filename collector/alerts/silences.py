@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from collector.alerts.matchers import CAUSE_KINDS, SpikeMatcher
-from spikehound.timefmt import NS, parse_time, rfc3339
+from spikehound.timefmt import MAX_NS, NS, parse_time, rfc3339
 from storage.alerts import SilenceRow
 
 FIELDS = ("service", "operation", "cause_kind", "cause_service", "cause_resource")
@@ -108,6 +108,8 @@ class Silence:
             ends_at = _time(body, "ends_at", now_ns)
         else:
             raise ValueError("give ends_at (RFC 3339 or unix seconds) or duration_seconds: a silence must expire")
+        if ends_at > MAX_NS:
+            raise ValueError("ends_at: after 2262-04-11, the last time storage holds")
         if ends_at <= max(starts_at, now_ns):
             raise ValueError("ends_at must be after starts_at and in the future")
         texts = {}

@@ -68,7 +68,9 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
     h = response.headers
     h.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
     h.setdefault("X-Content-Type-Options", "nosniff")
-    h.setdefault("Referrer-Policy", "no-referrer")  # a page URL never leaves with a click
+    # A page URL never leaves for another site; same-origin requests keep theirs, so that browsers without
+    # Sec-Fetch-Site still send a real Origin (not "null") with the login form (collector/cross_site.py).
+    h.setdefault("Referrer-Policy", "same-origin")
     h.setdefault("X-Frame-Options", "DENY")
     if request.path.startswith(f"{PREFIX}/static/"):
         # The URLs carry a hash of the file (?v=), so a new version is a new URL.

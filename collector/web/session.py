@@ -20,8 +20,8 @@ came over HTTPS.
 >>> cookie = issue("s3cret", now=1_000)
 >>> valid(cookie, "s3cret", now=1_060), valid(cookie, "other", now=1_060)
 (True, False)
->>> valid(cookie, "s3cret", now=1_000 + SESSION_SECONDS + 1)
-False
+>>> valid(cookie, "s3cret", now=1_000 + SESSION_SECONDS + 1), valid("²." + cookie.partition(".")[2], "s3cret", 1_060)
+(False, False)
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def valid(cookie: str | None, token: str, now: float) -> bool:
     if not cookie or "." not in cookie:
         return False
     issued_text, _, mac = cookie.partition(".")
-    if not issued_text.isdigit() or len(issued_text) > 12:
+    # isascii(): isdigit() alone takes '²', which int() refuses.
+    if not issued_text.isascii() or not issued_text.isdigit() or len(issued_text) > 12:
         return False
     issued = int(issued_text)
     if not issued - 60 <= now <= issued + SESSION_SECONDS:  # a minute of clock skew between restarts

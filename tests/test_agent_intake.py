@@ -1,0 +1,121 @@
+"""The agent's intake on its own: it queues no request larger than the collector takes.
+
+A request that enrichment (host.name, host.id, GPU uuids on every resource) pushes over the collector's
+limit is split by resource, scope and span, or data point, into requests that fit, each a valid OTLP request
+of its own; a span alone over the limit is refused to its sender in ``partial_success`` and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from agent.enrich import Enricher
+from agent.forward_queue import ForwardQueue
+from agent.intake import Intake
+from agent.spool import DiskSpool, Item, Signal
+from spikehound.otlp import PayloadError
+
+LIMIT = 8192
+IDENTITY = {"host.name": "gpu-node-3", "host.id": "5f2c" * 8, "nvidia.gpu.uuids": [f"GPU-{n:032x}" for n in range(8)]}
+
+
+@pytest.fixture
+def queue(tmp_path: Path) -> Iterator[ForwardQueue]:
+    q = ForwardQueue(1 << 20, DiskSpool(tmp_path / "spool", 1 << 20))
+    q.max_request_bytes = LIMIT  # as the forwarder sets it once the collector named its limit
+    yield q
+    q.close()
+
+
+def queued(q: ForwardQueue) -> list[Item]:
+    out = []
+    while (head := q.peek()) is not None:
+        out.append(head)
+        q.pop()
+    return out
+
+
+def trace_request(*spans: tuple[str, int], resources: int = 1, service: str = "llm-server") -> bytes:
+    """``resources`` resources, each with the spans given as (name, bytes of padding)."""
+    request = ExportTraceServiceRequest()
+    for r in range(resources):
+        resource_spans = request.resource_spans.add()
+        resource_spans.resource.attributes.add(key="service.name").value.string_value = service
+        resource_spans.resource.attributes.add(key="service.instance.id").value.string_value = f"pod-{r}"
+        scope = resource_spans.scope_spans.add()
+        scope.scope.name = "vllm"
+        for name, padding in spans:
+            span = scope.spans.add(name=f"{name}@{r}", trace_id=bytes(range(16)), span_id=bytes(range(8)))
+            span.attributes.add(key="prompt").value.string_value = "x" * padding
+    return request.SerializeToString()
+
+
+def span_names(payloads: list[bytes]) -> list[str]:
+    return [sp.name for p in payloads for rs in ExportTraceServiceRequest.FromString(p).resource_spans
+            for ss in rs.scope_spans for sp in ss.spans]
+
+
+def test_a_request_enrichment_pushes_over_the_limit_is_split_before_it_is_queued(queue):
+    payload = trace_request(*((f"decode-{n}", 135) for n in range(20)), resources=2)
+    assert LIMIT - 400 < len(payload) <= LIMIT  # the sender's request fits; enriched, it does not
+    intake = Intake(Enricher(IDENTITY), queue)
+    accepted = intake.accept(Signal.TRACES, payload, "grpc")
+    assert (accepted.queued, accepted.rejected) == (40, 0)
+    items = queued(queue)
+    assert len(items) >= 2 and all(len(i.payload) <= LIMIT for i in items)
+    assert sum(i.count for i in items) == 40
+    assert span_names([i.payload for i in items]) == span_names([payload])  # every span once, in order
+    for i in items:  # each piece is a whole request: resource (enriched) and scope come with its spans
+        for rs in ExportTraceServiceRequest.FromString(i.payload).resource_spans:
+            attributes = {kv.key: kv.value.string_value for kv in rs.resource.attributes}
+            assert attributes["host.name"] == "gpu-node-3" and attributes["service.name"] == "llm-server"
+            assert [ss.scope.name for ss in rs.scope_spans] == ["vllm"]
+    assert intake.split_requests[Signal.TRACES] == 1
+
+
+def test_a_metric_with_more_points_than_fit_is_split_by_data_point(queue):
+    request = ExportMetricsServiceRequest()
+    scope = request.resource_metrics.add().scope_metrics.add()
+    metric = scope.metrics.add(name="hw.gpu.memory.usage", unit="By")
+    metric.sum.aggregation_temporality = 2
+    metric.sum.is_monotonic = False
+    for n in range(1500):
+        point = metric.sum.data_points.add(time_unix_nano=n, as_int=n)
+        point.attributes.add(key="hw.id").value.string_value = f"GPU-{n % 8}"
+    intake = Intake(Enricher(IDENTITY), queue)
+    accepted = intake.accept(Signal.METRICS, request.SerializeToString(), "http")
+    assert (accepted.queued, accepted.rejected) == (1500, 0)
+    items = queued(queue)
+    assert len(items) >= 3 and all(len(i.payload) <= LIMIT for i in items)
+    values = []
+    for i in items:
+        (m,) = ExportMetricsServiceRequest.FromString(i.payload).resource_metrics[0].scope_metrics[0].metrics
+        assert (m.name, m.unit, m.sum.aggregation_temporality, m.sum.is_monotonic) == (
+            "hw.gpu.memory.usage", "By", 2, False)
+        assert i.count == len(m.sum.data_points)
+        values += [p.as_int for p in m.sum.data_points]
+    assert values == list(range(1500))
+
+
+def test_a_span_alone_over_the_limit_is_refused_to_its_sender_and_the_rest_queued(queue, caplog):
+    intake = Intake(Enricher(IDENTITY), queue)
+    payload = trace_request(("prefill", 100), ("decode", 2 * LIMIT), ("sample", 100))
+    with caplog.at_level(logging.ERROR, logger="spikehound.agent"):
+        accepted = intake.accept(Signal.TRACES, payload, "grpc")
+        assert (accepted.queued, accepted.rejected) == (2, 1)
+        response = accepted.response()
+        assert response.partial_success.rejected_spans == 1
+        assert f"larger than the {LIMIT} bytes" in response.partial_success.error_message
+        assert span_names([i.payload for i in queued(queue)]) == ["prefill@0", "sample@0"]
+        with pytest.raises(PayloadError, match="larger than"):  # nothing left to queue: the sender is told
+            intake.accept(Signal.TRACES, trace_request(("decode", 2 * LIMIT)), "grpc")
+    assert intake.too_large[Signal.TRACES] == 2
+    assert len(queue) == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "'llm-server'" in errors[0], errors  # once per sender, not per span
