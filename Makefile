@@ -28,6 +28,9 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.retention
 	$(BIN)/python -m benchmarks.compare
 	$(BIN)/python -m benchmarks.alert_latency
+	$(BIN)/python -m benchmarks.memory_abuse
+	$(BIN)/python -m benchmarks.fuzz
+	$(BIN)/python -m benchmarks.api_fuzz
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.enrich import Enricher, machine_id
 from agent.forward_queue import ForwardQueue
-from agent.forwarder import Forwarder
+from agent.forwarder import Forwarder, channel_credentials
 from agent.intake import Intake
 from agent.metrics_out import MetricsBridge
 from agent.otlp_grpc import start_grpc
@@ -75,7 +75,9 @@ class Agent:
         self.intake = Intake(Enricher(identity), self.queue)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
-        self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log)
+        self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log,
+                                   credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
+                                                                   a.collector_key_file))
         registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge))
         try:
             self._grpc, self.grpc_port = await start_grpc(self.intake, a.otlp_grpc, a.max_request_bytes)

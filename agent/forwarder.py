@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -79,6 +80,13 @@ def parse_target(url: str) -> tuple[str, bool]:
     if url.startswith("http://"):
         return url[len("http://"):].rstrip("/"), False
     return url.rstrip("/"), False
+
+
+def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
+    """TLS to the collector: verified by ``ca_file`` (gRPC's public CAs when empty), with a client certificate and key
+    for a collector that requires one (mTLS)."""
+    ca, key, cert = (Path(path).read_bytes() if path else None for path in (ca_file, key_file, cert_file))
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
 def retry_delay(error: grpc.aio.AioRpcError) -> float | None:
@@ -140,10 +148,11 @@ class Forwarder:
     def __init__(self, queue: ForwardQueue, collector_url: str, token: str = "",
                  on_change: Callable[[], None] | None = None, *, clock: Callable[[], float] = time.monotonic,
                  backoff_start: float = BACKOFF_START, backoff_max: float = BACKOFF_MAX,
-                 drop_log: DropLog | None = None) -> None:
+                 drop_log: DropLog | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+        """``credentials`` secure an https:// ``collector_url`` (default: gRPC's public CAs, no client certificate)."""
         self.queue = queue
         self.target, tls = parse_target(collector_url)
-        credentials = grpc.ssl_channel_credentials() if tls else None
+        credentials = (credentials or grpc.ssl_channel_credentials()) if tls else None
         # gRPC's own reconnect backoff grows to 120 s: after a long outage our retries would keep failing fast
         # that long after the collector is back. Reconnecting is cheap, so keep the channel close behind.
         options = [("grpc.max_send_message_length", MAX_SEND_BYTES), ("grpc.enable_retries", 0),

@@ -1,7 +1,11 @@
 """The scenario suite: detection recall, false spikes, delay and cause accuracy, against two baselines.
 
-Run from the repository root: ``python -m benchmarks.detection [--seeds N]`` (part of ``make bench``;
-``tests/test_detection_suite.py`` runs it with one seed and holds it to the issue's bars).
+Run from the repository root: ``python -m benchmarks.detection [--seeds N] [--family all|inference|mesh]``
+(part of ``make bench``; ``tests/test_detection_suite.py`` runs a subset and holds it to the bars).
+
+Two families of traffic. This module's own is **dense inference traffic** (below); the second,
+**sparse, lumpy microservice traffic** of the shape real benchmark systems have, is
+:mod:`benchmarks.mesh_detection`, run after it.
 
 Every fault of :mod:`benchmarks.traffic` runs at a large and a subtle strength, and every control
 once, per seed, through the same :class:`detectors.engine.DetectionEngine` the collector runs, in
@@ -30,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from benchmarks import mesh_detection
 from benchmarks.traffic import CONTROLS, ENTRY, FAULTS, Scenario, Truth
 from detectors.engine import DetectionEngine
 from detectors.settings import DetectionSettings
@@ -216,11 +221,24 @@ def scenarios(seeds: Sequence[int], minutes: float = 14.0) -> list[Scenario]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=2, help="seeds per scenario (default 2)")
+    parser.add_argument("--family", choices=("all", "inference", "mesh"), default="all",
+                        help="the dense inference scenarios, the sparse microservice timelines, or both")
+    parser.add_argument("--mesh-seeds", type=int, default=4, help="microservice timelines (default 4)")
     args = parser.parse_args(argv)
+    if args.family in ("all", "inference"):
+        inference(args.seeds)
+    if args.family in ("all", "mesh"):
+        print("\n" + "-" * 100)
+        mesh_detection.main(["--seeds", str(args.mesh_seeds)])
+    return 0
+
+
+def inference(seeds: int) -> None:
+    """The first family: dense inference traffic, six faults at two strengths and six controls per seed."""
     settings = DetectionSettings()
     results = []
     started = time.perf_counter()
-    for sc in scenarios(range(args.seeds)):
+    for sc in scenarios(range(seeds)):
         r = run(sc, settings)
         results.append(r)
         entry = [s for s in r.spikes.values() if (s.service, s.operation) == ENTRY]
@@ -240,7 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, items in (("missed", s.missed), ("wrong top cause", s.wrong), ("false spikes", s.false_labels)):
         for item in items:
             print(f"  {label}: {item}")
-    return 0
 
 
 if __name__ == "__main__":

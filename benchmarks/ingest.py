@@ -385,6 +385,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """Resident memory now and its high-water mark, in MB, from /proc/PID/status."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return tuple(round(int(fields[k].split()[0]) / 1024, 1) for k in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -519,6 +525,8 @@ class Results:
     settings: dict[str, bool] = field(default_factory=dict)  # switched configuration keys
     windows_closed: int = 0  # what the detectors did meanwhile: windows judged, spans too late to count
     late_spans: int = 0
+    collector_rss_mb: float = 0.0  # the collector's resident memory at the end of the measured interval
+    collector_peak_rss_mb: float = 0.0  # its high-water mark (the kernel's VmHWM)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -527,7 +535,8 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 # --compare SETTING -> the configuration key switched off and on.
-COMPARED_SETTINGS = {"detection": "detection.enabled", "span-metrics": "collector.span_metrics"}
+COMPARED_SETTINGS = {"detection": "detection.enabled", "span-metrics": "collector.span_metrics",
+                     "hop-streams": "detection.hop_streams"}
 
 
 def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tuple[Results, list[str]]:
@@ -608,6 +617,7 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
         for p in procs:  # the senders would otherwise retry against a dead collector for a minute
             p.kill()
         raise
+    res.collector_rss_mb, res.collector_peak_rss_mb = _rss_mb(collector.pid)
     res.collector_side_spans_per_s = round((stored1 - stored0) / (t1 - t0))
     res.collector_cores = round((cpu1 - cpu0) / (t1 - t0), 2)
     if stored1 > stored0:
@@ -675,7 +685,8 @@ def report(res: Results) -> str:
         f"{'PASS' if res.passed else 'BELOW TARGET'}",
         f"check: acknowledged {res.acked_spans:,} spans (warm-up included), collector stored_total "
         f"{res.stored_spans_metric:,}{rows}; collector-side rate {res.collector_side_spans_per_s:,.0f} spans/s, "
-        f"{res.collector_cpu_us_per_span:.1f} us collector CPU per span",
+        f"{res.collector_cpu_us_per_span:.1f} us collector CPU per span, resident memory {res.collector_rss_mb:.0f} MB "
+        f"(peak {res.collector_peak_rss_mb:.0f} MB)",
         f"detectors: {res.windows_closed:,} latency windows closed and judged, {res.late_spans:,} entry spans too "
         f"late to count (event time runs {EVENT_SPEEDUP}x the wall clock)",
         f"calls: {res.calls:,} acknowledged, {res.retries:,} retried (RESOURCE_EXHAUSTED/UNAVAILABLE), "
@@ -706,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
     p.add_argument("--compare", choices=[*COMPARED_SETTINGS, "none"], default="detection",
                    help="measure what one part costs: run the collector with it off and on, alternating "
-                   "(default detection; span-metrics; none: one run with everything on)")
+                   "(default detection; span-metrics; hop-streams; none: one run with everything on)")
     p.add_argument("--pairs", type=int, default=1, help="off/on pairs to alternate (default 1); each side's "
                    "mean is compared, so a machine that gets busier during the run weighs on both alike")
     args = p.parse_args(argv)
@@ -736,8 +747,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-# What each compared part may cost: the detectors 20 % of ingest throughput, the span metrics 10 %.
-MAX_LOSS = {"detection": 0.20, "span-metrics": 0.10}
+# What each compared part may cost: the detectors 20 % of ingest throughput, the span metrics 10 %, the hop
+# streams (CLIENT spans joined to their callees, judged as streams of their own) 15 % of the collector's CPU.
+MAX_LOSS = {"detection": 0.20, "span-metrics": 0.10, "hop-streams": 0.15}
 
 
 def compare_report(name: str, results: Sequence[Results], key: str) -> str:
@@ -748,13 +760,14 @@ def compare_report(name: str, results: Sequence[Results], key: str) -> str:
         r.ingest_spans_per_s for r in on)
     cpu_off, cpu_on = statistics.fmean(r.collector_cpu_us_per_span for r in off), statistics.fmean(
         r.collector_cpu_us_per_span for r in on)
+    rss_off, rss_on = max(r.collector_peak_rss_mb for r in off), max(r.collector_peak_rss_mb for r in on)
     rate_loss = 1 - rate_on / rate_off if rate_off else 0.0
     cpu_share = 1 - cpu_off / cpu_on if cpu_on else 0.0
     busy = max(r.other_cores for r in results)
     bar = MAX_LOSS[name]
-    return (f"{name} off: {rate_off:,.0f} spans/s, {cpu_off:.1f} us collector CPU per span "
+    return (f"{name} off: {rate_off:,.0f} spans/s, {cpu_off:.1f} us collector CPU per span, peak {rss_off:.0f} MB "
             f"(runs: {', '.join(f'{r.ingest_spans_per_s:,}' for r in off)})\n"
-            f"{name} on:  {rate_on:,.0f} spans/s, {cpu_on:.1f} us collector CPU per span "
+            f"{name} on:  {rate_on:,.0f} spans/s, {cpu_on:.1f} us collector CPU per span, peak {rss_on:.0f} MB "
             f"(runs: {', '.join(f'{r.ingest_spans_per_s:,}' for r in on)})\n"
             f"cost of {name}: {rate_loss:+.1%} throughput, {cpu_share:+.1%} of the collector's CPU per span "
             f"(bar: under {bar:.0%}: {'PASS' if max(rate_loss, cpu_share) < bar else 'OVER'})"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 
-__all__ = ["CONTROLS", "FAULTS", "Batch", "Scenario", "Truth"]
+__all__ = ["CONTROLS", "FAULTS", "Batch", "Scenario", "Truth", "poisson"]
 
 NS = 1_000_000_000
 MS = 1_000_000
@@ -140,11 +140,11 @@ class Scenario:
         for second in range(seconds):
             t0 = self.start_ns + second * NS
             rate = self._rate(second)
-            for _ in range(_poisson(rng, rate)):
+            for _ in range(poisson(rng, rate)):
                 self._request(t0 + rng.randrange(NS), pending, second)
-            for _ in range(_poisson(rng, 0.3)):
+            for _ in range(poisson(rng, 0.3)):
                 self._simple_request(t0 + rng.randrange(NS), "GET /v1/models", 8.0, 0.4, pending, second)
-            for _ in range(_poisson(rng, 5.0)):
+            for _ in range(poisson(rng, 5.0)):
                 self._health(t0 + rng.randrange(NS), pending, second)
             batch = pending.setdefault(second, Batch(t0))
             batch.points.extend(self._samples(t0, second))
@@ -309,7 +309,7 @@ class Scenario:
         return out
 
 
-def _poisson(rng: random.Random, lam: float) -> int:
+def poisson(rng: random.Random, lam: float) -> int:
     """A Poisson draw (Knuth's method is fine for the small rates used here)."""
     if lam <= 0:
         return 0

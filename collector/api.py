@@ -154,11 +154,17 @@ def cause_json(c: Cause) -> dict[str, Any]:
 
 
 def spike_json(s: Spike) -> dict[str, Any]:
-    return {"id": s.id, "service": s.service, "operation": s.operation, "state": s.state,
-            "start": rfc3339(s.start_unix_nano), "end": rfc3339(s.end_unix_nano),
+    return {"id": s.id, "service": s.service, "operation": s.operation, "peer_service": s.peer_service,
+            "state": s.state, "start": rfc3339(s.start_unix_nano), "end": rfc3339(s.end_unix_nano),
             "p99_ms": s.p99_ns / 1e6, "baseline_p99_ms": s.baseline_p99_ns / 1e6,
             "causes": [cause_json(c) for c in s.causes],
-            "exemplar_trace_ids": [t.hex() for t in s.exemplar_trace_ids]}
+            "exemplar_trace_ids": [t.hex() for t in s.exemplar_trace_ids],
+            "affected_streams": [{"service": a.service, "operation": a.operation, "peer_service": a.peer_service,
+                                  "start": rfc3339(a.start_unix_nano),
+                                  "last_anomalous_end": rfc3339(a.last_anomalous_end_unix_nano),
+                                  "p99_ms": a.p99_ns / 1e6, "baseline_p99_ms": a.baseline_p99_ns / 1e6,
+                                  "evidence": a.evidence, "slow_requests": a.slow_requests}
+                                 for a in s.affected]}
 
 
 # --- handlers ---------------------------------------------------------------------------------
@@ -207,7 +213,7 @@ async def get_latency(request: web.Request) -> web.Response:
     operation = request.query.get("operation") or None
     since, until = _range(request)
     windows = await _run(request, request.app[READER].latency, service, operation, since, until,
-                         _limit(request, 10_000, 100_000))
+                         _limit(request, 10_000, 100_000), request.query.get("peer_service") or None)
     return _json({"points": [{"t": rfc3339(w.start_unix_nano), "operation": w.operation, "count": w.count,
                               "p50_ms": w.p50_ns / 1e6, "p95_ms": w.p95_ns / 1e6, "p99_ms": w.p99_ns / 1e6,
                               "max_ms": w.max_ns / 1e6} for w in windows]})

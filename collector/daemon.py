@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import ssl
 import sys
 
 import grpc
@@ -29,7 +30,8 @@ from collector.otlp_grpc import start_grpc
 from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
 from collector.telemetry import CollectorTelemetry
-from spikehound.config import Config, redact_url
+from collector.tls import ServerTls, describe
+from spikehound.config import Config, check_otlp_exposure, redact_url
 from spikehound.lifecycle import start_http
 from spikehound.live_config import ALERT_KEYS, COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
 from storage.engine import make_engine
@@ -61,9 +63,12 @@ class Collector:
         self._listening = False
         self._reload_tasks: set[asyncio.Task[object]] = set()
         self.alerting: Alerting | None = None
+        self._tls: ServerTls | None = None
 
     async def start(self) -> None:
         cfg, c = self.cfg, self.cfg.collector
+        check_otlp_exposure(cfg)  # ConfigError: exit status 2, before anything is opened
+        self._tls = tls = ServerTls.from_config(c)
         # The writer thread gives up the GIL inside every SQLite statement and needs it back to bind the next
         # one; with the default 5 ms switch interval it waits behind the receivers' decoding (a GIL convoy).
         sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
@@ -90,26 +95,40 @@ class Collector:
         self._pipeline.spike_listeners.append(self.alerting.observe)
         self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
         self._pipeline_task.add_done_callback(self._watch)
-        ingest = Ingest(queue, self.telemetry, c.retry_after_seconds)
-        if (not c.otlp_grpc.is_loopback and not c.otlp_token) or (not c.otlp_http.is_loopback and not c.otlp_token):
-            log.warning("OTLP receivers listen beyond loopback without collector.otlp_token: any host that "
-                        "reaches them can send data")
+        ingest = Ingest.configured(queue, self.telemetry, c)
+        if c.allow_unauthenticated_otlp and not (c.otlp_token or c.tls_client_ca_file) and not (
+                c.otlp_grpc.is_loopback and c.otlp_http.is_loopback):
+            log.warning("OTLP receivers listen beyond loopback without collector.otlp_token or client certificates "
+                        "(collector.allow_unauthenticated_otlp = true): any host that reaches them can send data")
         try:
-            site = Site.from_config(c, links=public_url(cfg, c.api.port))  # the hosts and origin it answers to
+            site = Site.from_config(c, links=self._links(c.api.port))  # the hosts and origin it answers to
             api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token, site)
             add_jaeger_api(api)
             add_alert_routes(api, self.alerting)
-            runner, self.api_port = await start_http(api, c.api, "API")
+            runner, self.api_port = await start_http(
+                api, c.api, "API" + describe(tls, c.api_tls_client_ca_file),
+                ssl_context=tls.http_context(c.api_tls_client_ca_file) if tls else None)
             self._runners.append(runner)
-            self._grpc, self.grpc_port = await start_grpc(ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes)
+            self._grpc, self.grpc_port = await start_grpc(
+                ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes,
+                credentials=tls.grpc_credentials() if tls else None, secured=describe(tls, c.tls_client_ca_file))
             http = HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app()
-            runner, self.http_port = await start_http(http, c.otlp_http, "OTLP/HTTP")
+            runner, self.http_port = await start_http(
+                http, c.otlp_http, "OTLP/HTTP" + describe(tls, c.tls_client_ca_file),
+                ssl_context=tls.http_context(c.tls_client_ca_file) if tls else None)
             self._runners.append(runner)
         except BaseException:
             await self.stop()
             raise
-        self.alerting.start(public_url(cfg, self.api_port))
+        self.alerting.start(self._links(self.api_port))
         self._listening = True
+
+    def _links(self, api_port: int) -> str:
+        """Where links in alerts point; https:// when the API serves TLS and no collector.public_url says otherwise."""
+        url = public_url(self.cfg, api_port)
+        if self._tls is not None and not self.cfg.collector.public_url:
+            return "https://" + url.removeprefix("http://")
+        return url
 
     def _watch(self, task: asyncio.Task[None]) -> None:
         if self._failed is None or self._failed.done():
@@ -134,9 +153,15 @@ class Collector:
 
     async def reload(self, cfg: Config) -> None:
         """SIGHUP: log settings, retention caps and alert receivers and routes change at once (changed caps run
-        retention now); any other change waits for a restart."""
+        retention now), and a renewed TLS certificate and key are re-read; any other change waits for a restart."""
         change = apply_live(self.cfg, cfg, COLLECTOR_LIVE_KEYS, ignore_sections={"agent"})
         change.report(log)
+        if self._tls is not None:  # a renewed certificate, at the same paths
+            try:
+                if self._tls.reload():
+                    log.info("TLS certificate re-read from %s; new connections get it", self._tls.cert_file)
+            except (OSError, ssl.SSLError) as exc:
+                log.error("TLS certificate not re-read, the running one stays: %s", exc)
         if self.alerting is not None and ALERT_KEYS.intersection(change.applied):
             self.alerting.reload(self.cfg)
         if self._pipeline is not None and RETENTION_KEYS.intersection(change.applied):

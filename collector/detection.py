@@ -31,6 +31,12 @@ def detection_settings(cfg: Config) -> DetectionSettings:
         min_abs_rise_ns=int(d.min_abs_rise_ms * 1_000_000),
         min_score=d.min_score,
         resolve_windows=d.resolve_windows,
+        hop_streams=d.hop_streams,
+        split_generic=d.split_generic_operations,
+        grace_requests=d.grace_requests,
+        min_evidence=d.min_evidence,
+        min_slow_requests=d.min_slow_requests,
+        resolve_requests=d.resolve_requests,
         trace_buffer_spans=d.trace_buffer_spans,
         max_causes=d.max_causes,
     )

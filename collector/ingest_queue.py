@@ -1,10 +1,14 @@
-"""The bounded ingest queue between the receivers and the storage writer.
+"""The ingest backpressure: the bounded queue between the receivers and the storage writer, and the byte budget.
 
 Capacity is counted in spans plus points and covers everything not yet
 committed, including the batch being written, so memory stays bounded however
 fast senders push. A full queue raises ``QueueFull`` at once: receivers turn
 it into ``RESOURCE_EXHAUSTED`` / 429 so the sender retries later instead of
 the collector dropping data silently.
+
+Items do not bound memory when the items are large, and a request takes memory
+before it is decoded into items: ``ByteBudget`` counts the request bytes in
+flight, from before decoding until the commit answer, over both receivers.
 """
 
 from __future__ import annotations
@@ -76,3 +80,32 @@ class IngestQueue:
 
     def pending(self) -> int:
         return len(self._queue)
+
+
+class ByteBudget:
+    """Request bytes in flight against a capacity; use from the event loop only.
+
+    >>> budget = ByteBudget(100)
+    >>> budget.take(60), budget.take(60), budget.used
+    (True, False, 60)
+    >>> budget.give_back(60); budget.take(500)  # alone, a request larger than the whole budget still gets in
+    True
+    >>> budget.take(100, held=500)  # ... and may grow (a gzip body inflating) while it is alone
+    True
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+    def take(self, nbytes: int, held: int = 0) -> bool:
+        """Hold ``nbytes`` more for a taker already holding ``held``, or return False (holding nothing more)
+        when they do not fit now."""
+        # As in the queue: one request larger than the whole capacity still gets in when nothing else is held.
+        if self.used > held and self.used + nbytes > self.capacity:
+            return False
+        self.used += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        self.used -= nbytes

@@ -16,9 +16,20 @@ def _nullable(kind: str) -> dict[str, Any]:
     return {"type": [kind, "null"]}
 
 
-def _query(name: str, description: str, required: bool = False) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": required, "description": description,
-            "schema": {"type": "string"}}
+def _query(name: str, description: str, required: bool = False,
+           schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A query parameter; a required one must not be empty (the API reads an empty value as none given)."""
+    kind = schema or ({"type": "string", "minLength": 1} if required else {"type": "string"})
+    return {"name": name, "in": "query", "required": required, "description": description, "schema": kind}
+
+
+def _whole(low: int, high: int) -> dict[str, Any]:
+    """The schema of a whole-number parameter (ASCII digits, within [low, high])."""
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def _limit_param(description: str, most: int) -> dict[str, Any]:
+    return _query("limit", description, schema=_whole(1, most))
 
 
 def _ok(schema_ref: str, description: str) -> dict[str, Any]:
@@ -28,8 +39,11 @@ def _ok(schema_ref: str, description: str) -> dict[str, Any]:
 
 
 TIME = {"type": "string", "format": "date-time", "description": "RFC 3339, UTC"}
-SINCE = _query("since", "RFC 3339 time or unix seconds; default one hour before until")
-UNTIL = _query("until", "RFC 3339 time or unix seconds; default now")
+# What parse_time reads; both within 1677-09-21 to 2262-04-11, what storage's 64-bit nanoseconds hold.
+TIME_PARAM = {"anyOf": [{"type": "string", "format": "date-time"},
+                        {"type": "string", "pattern": "^[0-9]{1,11}(\\.[0-9]+)?$", "description": "unix seconds"}]}
+SINCE = _query("since", "RFC 3339 time or unix seconds; default one hour before until", schema=TIME_PARAM)
+UNTIL = _query("until", "RFC 3339 time or unix seconds; default now", schema=TIME_PARAM)
 
 SCHEMAS: dict[str, Any] = {
     "Error": _obj({"error": {"type": "string"}}),
@@ -67,12 +81,19 @@ SCHEMAS: dict[str, Any] = {
         "resource": _nullable("string"), "score": {"type": "number", "minimum": 0, "maximum": 1},
         "baseline": _nullable("number"), "observed": _nullable("number"), "unit": _nullable("string"),
         "summary": {"type": "string"}}),
+    "AffectedStream": _obj({
+        "service": {"type": "string"}, "operation": {"type": "string"}, "peer_service": _nullable("string"),
+        "start": TIME, "last_anomalous_end": TIME, "p99_ms": {"type": "number"},
+        "baseline_p99_ms": {"type": "number"}, "evidence": {"type": "number"},
+        "slow_requests": {"type": "integer"}}),
     "Spike": _obj({
         "id": {"type": "string"}, "service": {"type": "string"}, "operation": {"type": "string"},
+        "peer_service": _nullable("string"),
         "state": {"enum": ["open", "resolved"]}, "start": TIME, "end": {"type": ["string", "null"]},
         "p99_ms": {"type": "number"}, "baseline_p99_ms": {"type": "number"},
         "causes": {"type": "array", "items": {"$ref": "#/components/schemas/Cause"}},
-        "exemplar_trace_ids": {"type": "array", "items": {"type": "string"}}}),
+        "exemplar_trace_ids": {"type": "array", "items": {"type": "string"}},
+        "affected_streams": {"type": "array", "items": {"$ref": "#/components/schemas/AffectedStream"}}}),
     "Spikes": _obj({"spikes": {"type": "array", "items": {"$ref": "#/components/schemas/Spike"}}}),
 }
 
@@ -127,21 +148,24 @@ def _core_document() -> dict[str, Any]:
                                          "responses": _ok("Services", "services")}},
             "/api/v1/latency": {"get": {
                 "summary": "p50/p95/p99 per closed event-time window of a stream",
-                "parameters": [_query("service", "service name", True),
-                               _query("operation", "operation (span name); all when omitted"), SINCE, UNTIL,
-                               _query("limit", "most points (default 10000)")],
+                "parameters": [_query("service", "service name (for a hop stream: the callee)", True),
+                               _query("operation", "operation (span name); all when omitted"),
+                               _query("peer_service", "the caller: the hop stream of its calls into service "
+                                                      "(its CLIENT spans); the entry streams when omitted"),
+                               SINCE, UNTIL, _limit_param("most points (default 10000)", 100_000)],
                 "responses": _ok("Latency", "windows, oldest first")}},
             "/api/v1/hosts": {"get": {"summary": "Hosts that sent data, with their metric names",
                                       "responses": _ok("Hosts", "hosts")}},
             "/api/v1/metrics": {"get": {
                 "summary": "Resource samples by host and/or metric name",
                 "parameters": [_query("host", "host.name"), _query("name", "metric name"), SINCE, UNTIL,
-                               _query("limit", "most points in all (default 20000)")],
+                               _limit_param("most points in all (default 20000)", 200_000)],
                 "responses": _ok("Metrics", "series, points oldest first")}},
             "/api/v1/spikes": {"get": {
                 "summary": "Spikes, newest first",
-                "parameters": [_query("service", "service name"), SINCE, UNTIL,
-                               _query("state", "open or resolved"), _query("limit", "most spikes (default 500)")],
+                "parameters": [_query("service", "spikes led by this service or that moved one of its streams"),
+                               SINCE, UNTIL, _query("state", "open or resolved", schema={"enum": ["open", "resolved"]}),
+                               _limit_param("most spikes (default 500)", 10_000)],
                 "responses": _ok("Spikes", "spikes")}},
             "/api/v1/spikes/{spike_id}": {"get": {
                 "summary": "One spike with its ranked causes and exemplar traces",
@@ -179,7 +203,9 @@ _DELTA = {"type": "object", "description": "candidate minus baseline per quantil
                                         "relative": _nullable("number"), "relative_ci": _nullable("array")})}
 _STAGE = {"kind": {"enum": ["span", "network"]}, "service": {"type": "string"}, "name": {"type": "string"},
           "peer_service": _nullable("string"), "label": {"type": "string"}}
-_SIDE = _obj({"selector": {"type": "string"}, "since": TIME, "until": TIME,
+# The requests an analysis read: what selected them, and the time range (collector.analysis.Selection).
+_SELECTION = {"selector": {"type": "string"}, "since": TIME, "until": TIME}
+_SIDE = _obj({**_SELECTION,
               "spans": {"type": "integer", "description": "spans of the selection read"},
               "operations": {"type": "integer"},
               "path_traces": {"type": "integer", "description": "traces whose critical paths were walked"},
@@ -187,6 +213,15 @@ _SIDE = _obj({"selector": {"type": "string"}, "since": TIME, "until": TIME,
              required=["selector", "operations", "path_traces"])
 _SELECTOR = ("KEY=VALUE (resource attribute), a service.version value, or SINCE..UNTIL "
              "(RFC 3339 or unix seconds)")
+_MAX_TRACES = _query("max_traces", "traces whose critical paths are walked (default 20000)",
+                     schema=_whole(1, 1_000_000))
+
+
+def _number_with(units: list[str]) -> dict[str, Any]:
+    """A decimal number, optionally followed by one of ``units`` (collector/analysis_api.py reads it)."""
+    return {"type": "string", "pattern": f"^\\s*[0-9]*\\.?[0-9]+\\s*({'|'.join(units)})?\\s*$"}
+
+
 _SHARE = _obj({"ms": {"type": "number"}, "share": {"type": "number"}})
 
 ANALYSIS_SCHEMAS: dict[str, Any] = {
@@ -204,9 +239,11 @@ ANALYSIS_SCHEMAS: dict[str, Any] = {
                                                         "delta": _DELTA})}})}}),
     "Profile": {"type": "object", "description": "one selection's latency profile: what spikehound baseline "
                 "save writes and compare --baseline-file reads", "required": ["format", "operations"],
-                "properties": {"format": {"const": "spikehound-profile/1"}, "operations": {"type": "array"}}},
+                "properties": {**_SIDE["properties"], "format": {"const": "spikehound-profile/1"},
+                               "operations": {"type": "array"}}},
     "Batching": _obj({
-        "service": {"type": "string"}, "attribute": {"type": "string"}, "p99_target_ms": _nullable("number"),
+        **_SELECTION, "service": {"type": "string"}, "attribute": {"type": "string"},
+        "p99_target_ms": _nullable("number"),
         "recommended": _nullable("string"), "reference": _nullable("string"),
         "throughput_gain": _nullable("number"), "message": {"type": "string"},
         "requests_without_attribute": {"type": "integer"},
@@ -217,14 +254,14 @@ ANALYSIS_SCHEMAS: dict[str, Any] = {
             "active_seconds": {"type": "number"}, "hosts": {"type": "array", "items": {"type": "string"}},
             "gpu_utilization": _nullable("number"), "gpu_samples": {"type": "integer"},
             "enough_data": {"type": "boolean"}})}},
-        required=["service", "attribute", "groups", "recommended", "message"]),
-    "Pipeline": _obj({"service": {"type": "string"}, "operations": {"type": "array", "items": _obj({
+        required=["service", "attribute", "groups", "recommended", "message", *_SELECTION]),
+    "Pipeline": _obj({**_SELECTION, "service": {"type": "string"}, "operations": {"type": "array", "items": _obj({
         "service": {"type": "string"}, "operation": {"type": "string"}, "requests": {"type": "integer"},
         "median": {"type": "object"}, "p99": {"type": "object"}, "headline": {"type": "string"},
         "stages": {"type": "array", "items": _obj({**_STAGE, "median": _SHARE, "p99": _SHARE})},
         "services": {"type": "array", "items": _obj({"service": {"type": "string"}, "median": _SHARE,
                                                       "p99": _SHARE})}})}},
-        required=["service", "operations"]),
+        required=["service", "operations", *_SELECTION]),
 }
 
 ANALYSIS_PATHS: dict[str, Any] = {
@@ -232,30 +269,33 @@ ANALYSIS_PATHS: dict[str, Any] = {
         "summary": "Regression gate: baseline against candidate per operation and critical-path stage",
         "parameters": [_query("baseline", _SELECTOR, True), _query("candidate", _SELECTOR, True), SINCE, UNTIL,
                        _query("service", "judge only this service"), _query("operation", "judge only this operation"),
-                       _query("max_regression", "allowed p99 growth: 0.05 or 5% (default)"),
-                       _query("min_requests", "requests per side before an operation is judged (default 100)"),
-                       _query("confidence", "of the bootstrap intervals (default 0.95)"),
-                       _query("replicates", "bootstrap replicates (default 2000)"),
-                       _query("seed", "of the bootstrap draws (default 0)"),
-                       _query("max_traces", "traces per side whose critical paths are walked (default 20000)")],
+                       _query("max_regression", "allowed p99 growth, 0 to 10: 0.05 or 5% (default)",
+                              schema=_number_with(["%"])),
+                       _query("min_requests", "requests per side before an operation is judged (default 100)",
+                              schema=_whole(1, 10_000_000)),
+                       _query("confidence", "of the bootstrap intervals, 0.5 to 0.999 (default 0.95)",
+                              schema=_number_with(["%"])),
+                       _query("replicates", "bootstrap replicates (default 2000)", schema=_whole(100, 100_000)),
+                       _query("seed", "of the bootstrap draws (default 0)", schema=_whole(0, 2**32 - 1)),
+                       _MAX_TRACES],
         "responses": _ok("Comparison", "the comparison; exit_code is what spikehound compare exits with")}},
     "/api/v1/profile": {"get": {
         "summary": "The latency profile of one selection (a saved baseline)",
-        "parameters": [_query("select", _SELECTOR, True), SINCE, UNTIL,
-                       _query("max_traces", "traces whose critical paths are walked (default 20000)")],
+        "parameters": [_query("select", _SELECTOR, True), SINCE, UNTIL, _MAX_TRACES],
         "responses": _ok("Profile", "the profile")}},
     "/api/v1/analyze/batching": {"get": {
         "summary": "Latency, throughput and GPU utilization per batch size, and the sweet spot for a p99 target",
         "parameters": [_query("service", "service name", True),
                        _query("attribute", "batch-size span attribute (default batch.size)"),
-                       _query("p99_target", "p99 target in ms (or with unit: 50ms, 0.05s)"),
+                       _query("p99_target", "p99 target in ms (or with unit: 50ms, 0.05s), at most an hour",
+                              schema=_number_with(["ms", "s"])),
                        _query("select", "only these requests: " + _SELECTOR), SINCE, UNTIL,
-                       _query("min_requests", "requests a batch size needs to be judged (default 100)")],
+                       _query("min_requests", "requests a batch size needs to be judged (default 100)",
+                              schema=_whole(1, 10_000_000))],
         "responses": _ok("Batching", "per batch size, smallest first")}},
     "/api/v1/analyze/pipeline": {"get": {
         "summary": "Share of critical-path time by stage, for median and for p99 requests",
         "parameters": [_query("service", "service name", True), _query("operation", "only this operation"),
-                       _query("select", "only these requests: " + _SELECTOR), SINCE, UNTIL,
-                       _query("max_traces", "traces whose critical paths are walked (default 20000)")],
+                       _query("select", "only these requests: " + _SELECTOR), SINCE, UNTIL, _MAX_TRACES],
         "responses": _ok("Pipeline", "one breakdown per operation, busiest first")}},
 }

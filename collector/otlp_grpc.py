@@ -43,7 +43,7 @@ class _Export:
     """One service's Export method: bytes in, response message out."""
 
     def __init__(self, ingest: Ingest, token: str, signal: str, parse: Callable[[bytes], Any],
-                 decode: Callable[[Any, bytes | None], Decoded], response: type[Message], rejected_field: str) -> None:
+                 decode: Callable[..., Decoded], response: type[Message], rejected_field: str) -> None:
         self.ingest, self.token, self.signal = ingest, token, signal
         self.parse, self.decode, self.response, self.rejected_field = parse, decode, response, rejected_field
 
@@ -54,22 +54,29 @@ class _Export:
             if not bearer_ok(header if isinstance(header, str) else None, self.token):
                 counted.labels("grpc", "unauthenticated").inc()
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        try:
-            request = self.parse(body)
-        except PayloadError as exc:
-            counted.labels("grpc", "bad_payload").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            self.ingest.check_room(self.signal, count_items(request))
-            accepted = await self.ingest.submit(self.decode(request, body), self.signal, "grpc")
-        except InvalidPayload as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Overloaded as exc:
-            await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
-        except Unavailable as exc:
-            await _abort_retry(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
+        # The body's bytes are held from before decoding (which takes about twice as much again) to the answer.
+        with self.ingest.admission("grpc") as admission:
+            try:
+                admission.need(len(body))
+            except Overloaded as exc:
+                await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
+            try:
+                request = self.parse(body)
+            except PayloadError as exc:
+                counted.labels("grpc", "bad_payload").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                self.ingest.check_room(self.signal, count_items(request))
+                decoded = self.decode(request, body, limits=self.ingest.limits, not_after_ns=self.ingest.not_after_ns())
+                accepted = await self.ingest.submit(decoded, self.signal, "grpc", admission)
+            except InvalidPayload as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Overloaded as exc:
+                await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
+            except Unavailable as exc:
+                await _abort_retry(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
         response = self.response()
-        if accepted.rejected:
+        if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
             setattr(response.partial_success, self.rejected_field, accepted.rejected)  # type: ignore[attr-defined]
             response.partial_success.error_message = accepted.message  # type: ignore[attr-defined]
         return response
@@ -89,9 +96,13 @@ def _handler(service: str, export: Callable[[bytes, grpc.aio.ServicerContext], A
     return grpc.method_handlers_generic_handler(service, {"Export": method})
 
 
-async def start_grpc(ingest: Ingest, listen: HostPort, token: str,
-                     max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
-    """Start the OTLP/gRPC server and return it with its bound port; OSError when it cannot bind."""
+async def start_grpc(ingest: Ingest, listen: HostPort, token: str, max_message_bytes: int,
+                     credentials: grpc.ServerCredentials | None = None,
+                     secured: str = "") -> tuple[grpc.aio.Server, int]:
+    """Start the OTLP/gRPC server and return it with its bound port; OSError when it cannot bind.
+
+    With ``credentials`` it takes TLS only; ``secured`` says how, in the "listening on" line.
+    """
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.so_reuseport", 0)],
@@ -104,11 +115,11 @@ async def start_grpc(ingest: Ingest, listen: HostPort, token: str,
     ))
     address = str(listen)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen for OTLP/gRPC on {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot listen for OTLP/gRPC on {address}")
     await server.start()
-    log.info("OTLP/gRPC listening on %s", HostPort(listen.host, port))
+    log.info("OTLP/gRPC listening on %s%s", HostPort(listen.host, port), secured)
     return server, port

@@ -65,7 +65,7 @@ class HttpReceiver:
                                   ExportMetricsServiceResponse, "rejected_data_points")
 
     async def _handle(self, request: web.Request, signal: str, parse: Callable[..., Any],
-                      decode: Callable[[Any, bytes | None], Decoded], response_type: type[Message],
+                      decode: Callable[..., Decoded], response_type: type[Message],
                       rejected_field: str) -> web.StreamResponse:
         counted = self.ingest.telemetry.rejected_requests
         if not bearer_ok(request.headers.get("Authorization"), self.token):
@@ -87,44 +87,55 @@ class HttpReceiver:
             response = self._status(as_json, 413, too_large)
             response.force_close()  # the unread rest of the body is not worth keeping the connection for
             return response
-        try:
-            body = await request.read()
-        except ConnectionError as exc:
-            # The sender hung up mid-upload: routine for a client that timed out or was killed, so no
-            # traceback; the answer below goes nowhere.
-            self.ingest.telemetry.aborted_requests.labels("http").inc()
-            log.debug("OTLP/HTTP sender %s hung up mid-upload: %s", request.remote, exc)
-            return self._status(as_json, 400, "the request body did not arrive")
-        except PayloadEncodingError as exc:  # a broken chunked encoding
-            counted.labels("http", "bad_payload").inc()
-            return self._status(as_json, 400, f"unreadable request body: {exc.message}")
-        except web.HTTPRequestEntityTooLarge:
-            counted.labels("http", "too_large").inc()
-            return self._status(as_json, 413, too_large)
-        try:
-            if encoding == "gzip":
-                body = gunzip(body, self.max_request_bytes)
-            request_message = parse(body, json=as_json)
-            self.ingest.check_room(signal, count_items(request_message))
-            decoded = decode(request_message, None if as_json else body)
-        except BodyTooLarge:
-            counted.labels("http", "too_large").inc()
-            return self._status(as_json, 413, too_large)
-        except PayloadError as exc:
-            counted.labels("http", "bad_payload").inc()
-            return self._status(as_json, 400, str(exc))
-        except Overloaded as exc:
-            return self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
-        try:
-            accepted = await self.ingest.submit(decoded, signal, "http")
-        except InvalidPayload as exc:
-            return self._status(as_json, 400, str(exc))
-        except Overloaded as exc:
-            return self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
-        except Unavailable as exc:
-            return self._status(as_json, 503, str(exc), retry_after=exc.retry_after)
+        # The request's bytes are held from before its body is read until the answer: refused up front when the
+        # announced length does not fit now (none of the body is read), and again when the body inflates.
+        with self.ingest.admission("http") as admission:
+            try:
+                admission.need(request.content_length or 0)
+            except Overloaded as exc:
+                response = self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
+                response.force_close()  # the unread body is not worth keeping the connection for
+                return response
+            try:
+                body = await request.read()
+            except ConnectionError as exc:
+                # The sender hung up mid-upload: routine for a client that timed out or was killed, so no
+                # traceback; the answer below goes nowhere.
+                self.ingest.telemetry.aborted_requests.labels("http").inc()
+                log.debug("OTLP/HTTP sender %s hung up mid-upload: %s", request.remote, exc)
+                return self._status(as_json, 400, "the request body did not arrive")
+            except PayloadEncodingError as exc:  # a broken chunked encoding
+                counted.labels("http", "bad_payload").inc()
+                return self._status(as_json, 400, f"unreadable request body: {exc.message}")
+            except web.HTTPRequestEntityTooLarge:
+                counted.labels("http", "too_large").inc()
+                return self._status(as_json, 413, too_large)
+            try:
+                if encoding == "gzip":
+                    body = gunzip(body, self.max_request_bytes)
+                admission.need(len(body))
+                request_message = parse(body, json=as_json)
+                self.ingest.check_room(signal, count_items(request_message))
+                decoded = decode(request_message, None if as_json else body, limits=self.ingest.limits,
+                                 not_after_ns=self.ingest.not_after_ns())
+            except BodyTooLarge:
+                counted.labels("http", "too_large").inc()
+                return self._status(as_json, 413, too_large)
+            except PayloadError as exc:
+                counted.labels("http", "bad_payload").inc()
+                return self._status(as_json, 400, str(exc))
+            except Overloaded as exc:
+                return self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
+            try:
+                accepted = await self.ingest.submit(decoded, signal, "http", admission)
+            except InvalidPayload as exc:
+                return self._status(as_json, 400, str(exc))
+            except Overloaded as exc:
+                return self._status(as_json, 429, str(exc), retry_after=exc.retry_after)
+            except Unavailable as exc:
+                return self._status(as_json, 503, str(exc), retry_after=exc.retry_after)
         response = response_type()
-        if accepted.rejected:
+        if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
             setattr(response.partial_success, rejected_field, accepted.rejected)
             response.partial_success.error_message = accepted.message
         return self._encode(response, as_json, 200)

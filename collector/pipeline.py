@@ -79,6 +79,8 @@ class IngestPipeline:
                                                          st["overflow_spans"]),
             "spikehound_detector_evicted_streams": ("Quiet streams whose learned baseline was dropped to stay "
                                                     "within collector.max_streams.", st["evicted_streams"]),
+            "spikehound_detector_judged_windows": ("Closed windows of latency streams (entry and hop) judged "
+                                                   "by the detectors.", st["judged_windows"]),
             "spikehound_trace_buffer_evicted_traces": ("Traces dropped from the attribution buffer to stay "
                                                        "within detection.trace_buffer_spans.",
                                                        st["trace_buffer_evicted_traces"]),
@@ -118,6 +120,11 @@ class IngestPipeline:
             log.warning("detectors start fresh: the checkpoint cannot be continued (%s: %s)",
                         exc.__class__.__name__, exc)
             return
+        latest = time.time_ns() + int(self.cfg.collector.max_clock_skew_seconds * NS)
+        if await self._on_writer(self.engine.limit_event_time, latest):
+            log.warning("the checkpoint's event time ran past this collector's clock plus "
+                        "collector.max_clock_skew_seconds (a sender's clock was wrong): brought back, and the "
+                        "windows beyond dropped")
         self._open_ids = {s.id for s in self.engine.open_spikes()}
         log.info("detectors restored from the checkpoint of %s: %d streams, %d open spikes",
                  time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at)),
@@ -272,6 +279,10 @@ class IngestPipeline:
         idle = time.monotonic() - self._last_input
         if idle >= c.idle_flush_seconds:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
+            watermark = self.engine.windows.watermark
+            if watermark is not None:  # never past the clock plus the skew the receivers allow
+                latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
+                advance = max(min(advance, latest - watermark), 0)
             detected = await self._on_writer(self.engine.advance, advance)
             self._pending.windows.extend(detected.windows)
             self._pending.spikes.extend(detected.spikes)

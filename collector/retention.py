@@ -57,6 +57,7 @@ class RetentionRunner:
         t.retention_deleted.labels("metric_points", "age").inc(result.points)
         t.retention_deleted.labels("spans", "size").inc(result.spans_over_size)
         t.retention_deleted.labels("metric_points", "size").inc(result.points_over_size)
+        t.retention_deleted.labels("operations", "age").inc(result.operations)
         if self.retention.measured:
             size = self.retention.size
             t.stored_span_bytes.set(size.span_bytes)

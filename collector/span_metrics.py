@@ -13,9 +13,11 @@ Two sets of series, both fed in bulk from the writer thread after each commit:
   resource's ``host.name``, empty when unknown) is what joins it to ``gpu_utilization_percentage{host}`` in
   the p99-high / GPU-low alert.
 
-Series are bounded (``collector.span_metrics_max_series`` per set). A span of a new series beyond the bound is
-counted in ``spikehound_span_metrics_overflow_spans_total`` and aggregated into one overflow series labelled
-``otel_metric_overflow="true"``, as the connector does, so totals stay right.
+Series are bounded (``collector.span_metrics_max_series`` per set), and so are the characters of their label
+values (``LABEL_CHARS_PER_SERIES`` on average per series, so that a few thousand long span names cannot make
+``/metrics`` hundreds of megabytes: each series is written some twenty times). A span of a new series beyond
+either bound is counted in ``spikehound_span_metrics_overflow_spans_total`` and aggregated into one overflow
+series labelled ``otel_metric_overflow="true"``, as the connector does, so totals stay right.
 
 Why not ``Histogram.labels().observe()``: at 60,000 spans/s that costs several microseconds a span under
 locks. Here a batch is one loop of dict look-ups and ``bisect`` into plain lists, and a custom collector
@@ -54,6 +56,8 @@ DURATION_BUCKETS_MS: tuple[float, ...] = (2, 4, 6, 8, 10, 50, 100, 200, 400, 800
 INFERENCE_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                                           10.0, 30.0, 60.0)
 OVERFLOW_LABELS = {"otel_metric_overflow": "true"}
+# Label value characters a set holds, per series it may hold: typical names take a fifth of it.
+LABEL_CHARS_PER_SERIES = 128
 
 _KIND_LABELS = {k: f"SPAN_KIND_{k.name}" for k in SpanKind}
 _STATUS_LABELS = {s: f"STATUS_CODE_{s.name}" for s in StatusCode}
@@ -79,6 +83,8 @@ class _Histograms:
     def __init__(self, bounds_ns: Sequence[int], max_series: int) -> None:
         self.bounds_ns = list(bounds_ns)
         self.max_series = max_series
+        self.max_label_chars = max_series * LABEL_CHARS_PER_SERIES
+        self.label_chars = 0  # of the string label values of every row's key
         self.rows: dict[Any, list[int]] = {}
         self.overflow_row = self.new_row()
         self.overflow_spans = 0
@@ -86,11 +92,14 @@ class _Histograms:
     def new_row(self) -> list[int]:
         return [0] * (len(self.bounds_ns) + 2)
 
-    def row_for_new(self, key: Any) -> list[int]:
-        """The row a key without one gets: its own while the bound allows, else the overflow row."""
-        if len(self.rows) < self.max_series:
-            row = self.rows[key] = self.new_row()
-            return row
+    def row_for_new(self, key: tuple[Any, ...]) -> list[int]:
+        """The row a key without one gets: its own while both bounds allow, else the overflow row."""
+        if len(self.rows) < self.max_series:  # once full, every span of a new key comes here: keep it cheap
+            chars = sum(len(part) for part in key if isinstance(part, str))
+            if self.label_chars + chars <= self.max_label_chars:
+                self.label_chars += chars
+                row = self.rows[key] = self.new_row()
+                return row
         self.overflow_spans += 1
         return self.overflow_row
 
@@ -182,7 +191,8 @@ class SpanMetrics(Collector):
         yield inference
 
         overflow = Metric("spikehound_span_metrics_overflow_spans", "Spans aggregated into the overflow series "
-                          "because collector.span_metrics_max_series was reached.", "counter")
+                          "because collector.span_metrics_max_series (or the label characters those series may "
+                          "hold) was reached.", "counter")
         overflow.add_sample("spikehound_span_metrics_overflow_spans_total", {"set": "spanmetrics"},
                             overflow_spans[0])
         overflow.add_sample("spikehound_span_metrics_overflow_spans_total", {"set": "model_inference"},

@@ -45,7 +45,8 @@ class CollectorTelemetry:
                                "(queue full, storage down); the sender was told to retry.",
                                ["signal", "reason"], registry=r)
         self.rejected_requests = Counter("spikehound_ingest_rejected_requests",
-                                         "Whole export requests refused before decoding.",
+                                         "Whole export requests refused before decoding (bytes_in_flight: "
+                                         "told to retry later).",
                                          ["protocol", "reason"], registry=r)
         self.aborted_requests = Counter("spikehound_ingest_aborted_requests",
                                         "Export requests whose sender hung up before the whole body arrived.",
@@ -55,6 +56,22 @@ class CollectorTelemetry:
                                    "not the collector's, as in DNS rebinding), cross_origin (sent by another "
                                    "site's page), media_type (a body that is not JSON), too_large, "
                                    "unauthenticated.", ["reason"], registry=r)
+        self.truncated = Counter("spikehound_ingest_truncated",
+                                 "Names and values cut, or attributes dropped, at the collector's limits "
+                                 "(collector.max_name_length, max_attribute_value_length, max_attributes_per_span), "
+                                 "by signal and field; attributes_dropped counts attributes.",
+                                 ["signal", "field"], registry=r)
+        self.future = Counter("spikehound_ingest_future_records",
+                              "Spans and metric samples refused for being dated more than "
+                              "collector.max_clock_skew_seconds after the collector's clock, by signal and sender "
+                              "(the first 100 senders; later ones as service and host \"other\").",
+                              ["signal", "service", "host"], registry=r)
+        self.bytes_in_flight = Gauge("spikehound_ingest_bytes_in_flight",
+                                     "Request bytes being decoded or waiting for their commit, both receivers.",
+                                     registry=r)
+        self.bytes_in_flight_capacity = Gauge("spikehound_ingest_bytes_in_flight_capacity",
+                                              "Most request bytes in flight (collector.max_bytes_in_flight); "
+                                              "beyond it senders are told to retry later.", registry=r)
         self.queue_items = Gauge("spikehound_ingest_queue_items",
                                  "Spans and points accepted but not yet committed.", registry=r)
         self.queue_capacity = Gauge("spikehound_ingest_queue_capacity",

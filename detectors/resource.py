@@ -57,6 +57,23 @@ class Rule:
     # Cause kinds whose growth this resource can explain on the host that served them: a GPU or CPU for a
     # span's own work, the network for a hop. Attribution joins a flag only to such a cause.
     explains: tuple[str, ...] = ("span", "service")
+    # How much slower it can make the work it explains: "capacity" (a CPU: work that had 1 - baseline of it
+    # spare now has 1 - observed), "ratio" (a GPU doing baseline / observed less), or "unbounded" (errors,
+    # throttling, swapping: timeouts and retries have no ceiling).
+    slowdown: str = "unbounded"
+
+    def max_slowdown(self, baseline: float, observed: float) -> float:
+        """The largest factor by which this move of the resource can slow the work it explains.
+
+        >>> steal = Rule("system.cpu.utilization", "CPU steal", +1, 0.1, 0.2, slowdown="capacity")
+        >>> round(steal.max_slowdown(0.04, 0.14), 2)
+        1.12
+        """
+        if self.slowdown == "capacity":
+            return (1.0 - min(baseline, 0.99)) / (1.0 - min(observed, 0.99))
+        if self.slowdown == "ratio":
+            return baseline / observed if observed > 0 else math.inf
+        return math.inf
 
     def matches(self, attributes: dict[str, Any]) -> bool:
         return (all(attributes.get(k) == v for k, v in self.match)
@@ -68,15 +85,15 @@ class Rule:
 _BENIGN_REASONS = ("gpu_idle", "applications_clocks_setting", "sync_boost", "display_clock_setting")
 
 RULES: tuple[Rule, ...] = (
-    Rule("hw.gpu.utilization", "GPU utilization", -1, 0.15, 0.2, percent=True),
+    Rule("hw.gpu.utilization", "GPU utilization", -1, 0.15, 0.2, percent=True, slowdown="ratio"),
     Rule("nvidia.gpu.throttle", "GPU clock throttling", +1, 0.5, 0.5,
          ignore=(("nvidia.throttle.reason", _BENIGN_REASONS),), percent=True),
     Rule("nvidia.gpu.xid.errors", "GPU XID errors", +1, 1e-6, 1e-6),
     Rule("system.cpu.utilization", "CPU utilization", +1, 0.15, 0.85, match=(("cpu.mode", "busy"),),
-         absent=("cpu.logical_number",), percent=True),
+         absent=("cpu.logical_number",), percent=True, slowdown="capacity"),
     # Steal of a few percent comes and goes on any shared VM; a fifth of the CPU taken away slows real work.
     Rule("system.cpu.utilization", "CPU steal", +1, 0.1, 0.2, match=(("cpu.mode", "steal"),),
-         absent=("cpu.logical_number",), percent=True),
+         absent=("cpu.logical_number",), percent=True, slowdown="capacity"),
     Rule("system.network.errors", "network errors", +1, 1.0, 1.0, explains=("network",)),
     Rule("system.network.dropped", "dropped packets", +1, 1.0, 1.0, explains=("network",)),
     Rule("system.network.tcp.retransmits", "TCP retransmits", +1, 5.0, 5.0, explains=("network",)),
@@ -103,6 +120,7 @@ class ResourceFlag:
     severity: float  # the detector's score: robust standard deviations the harmful way
     summary: str
     explains: tuple[str, ...] = ("span", "service")  # cause kinds it can explain (see Rule.explains)
+    max_slowdown: float = math.inf  # the most it can slow the work it explains (see Rule.max_slowdown)
 
 
 class ResourceDetector(base.AnomalyDetector):
@@ -246,6 +264,18 @@ class ResourceWatch:
             self._flags.popleft()
         return flags
 
+    def limit(self, latest_ns: int) -> bool:
+        """Bring event time back to at most ``latest_ns``; True when it had run past (see LatencyWindows.limit)."""
+        if self._closed_until <= latest_ns:
+            return False
+        self._closed_until = latest_ns
+        for series in self._series.values():
+            for start in [s for s in series.open if s >= latest_ns]:
+                del series.open[start]
+            if series.last is not None and series.last[0] > latest_ns:
+                series.last = None
+        return True
+
     def flags(self, hosts: Sequence[str] | None, start_ns: int, end_ns: int) -> list[ResourceFlag]:
         """Flags on ``hosts`` (all when None) whose window overlaps [start_ns, end_ns)."""
         wanted = None if hosts is None else set(hosts)
@@ -283,7 +313,8 @@ class ResourceWatch:
         return ResourceFlag(host=series.host, metric=series.metric, series=series.series, window_start_ns=start,
                             window_end_ns=start + self.window_ns, baseline=round(baseline, 4),
                             observed=round(value, 4), unit=series.unit, severity=round(score, 2),
-                            summary=_sentence(rule, series, baseline, value), explains=rule.explains)
+                            summary=_sentence(rule, series, baseline, value), explains=rule.explains,
+                            max_slowdown=rule.max_slowdown(baseline, value))
 
 
 def _sentence(rule: Rule, series: _Series, baseline: float, value: float) -> str:

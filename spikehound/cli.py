@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import urllib.error
 import urllib.parse
@@ -20,6 +19,7 @@ from typing import Any
 
 from spikehound import __version__
 from spikehound.config import Config, ConfigError, HostPort, effective, load, to_toml
+from spikehound.text import printable
 
 DEFAULT_API_URL = "http://127.0.0.1:8470"
 
@@ -33,20 +33,9 @@ AGENT_FLAGS = {"db": "storage.url", "collector": "agent.collector", "otlp_grpc":
                "log_format": "log.format"}
 
 
-# C0 and C1 controls (ESC and CSI start ANSI sequences; CR and BS overwrite), DEL, and the bidirectional
-# overrides that reorder what a terminal shows.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
 def _safe(text: object) -> str:
-    r"""Untrusted text (names, summaries and errors from spans or the API) fit for a terminal: each control
-    character shown as an escape, so a service name cannot recolour, retitle or rewrite the screen.
-
-    >>> _safe("gateway\x1b[2J\x1b]0;pwned\x07"), _safe("a\u202eb\tc")
-    ('gateway\\x1b[2J\\x1b]0;pwned\\x07', 'a\\u202eb\\x09c')
-    """
-    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}",
-                            str(text))
+    """Untrusted text (names, summaries and errors from spans or the API) fit for a terminal."""
+    return printable(text)
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -138,13 +127,14 @@ def _print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
 
 
 def _print_spikes(spikes: Sequence[dict[str, Any]]) -> None:
-    rows = [(s["id"], s["state"], s["start"], s["service"], s["operation"],
-             f"{s['p99_ms']:.1f}", f"{s['baseline_p99_ms']:.1f}",
+    rows = [(s["id"], s["state"], s["start"],
+             f"{s['peer_service']} -> {s['service']}" if s.get("peer_service") else s["service"], s["operation"],
+             f"{s['p99_ms']:.1f}", f"{s['baseline_p99_ms']:.1f}", str(len(s.get("affected_streams", [])) or 1),
              s["causes"][0]["summary"] if s["causes"] else "-") for s in spikes]
     if not rows:
         print("no spikes")
         return
-    _print_table(rows, ("ID", "STATE", "START", "SERVICE", "OPERATION", "P99 MS", "BASE MS", "TOP CAUSE"))
+    _print_table(rows, ("ID", "STATE", "START", "SERVICE", "OPERATION", "P99 MS", "BASE MS", "STREAMS", "TOP CAUSE"))
 
 
 def cmd_spikes(args: argparse.Namespace) -> int:
@@ -188,12 +178,21 @@ def cmd_spike(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(spike, indent=2))
         return 0
-    print(_safe(f"spike {spike['id']} ({spike['state']}) on {spike['service']} {spike['operation']}"))
+    caller = f"{spike['peer_service']} -> " if spike.get("peer_service") else ""
+    print(_safe(f"spike {spike['id']} ({spike['state']}) on {caller}{spike['service']} {spike['operation']}"))
     print(_safe(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
                 f"against a baseline of {spike['baseline_p99_ms']:.1f} ms"))
     for rank, cause in enumerate(spike["causes"], 1):
         print(_safe(f"  {rank}. [{cause['kind']}] {cause['summary']} "
                     f"(explains {cause['score']:.0%} of the added latency)"))
+    affected = spike.get("affected_streams", [])
+    if len(affected) > 1:
+        print(_safe(f"  streams it moved ({len(affected)}, the leader first):"))
+        for stream in affected:
+            hop = f"{stream['peer_service']} -> " if stream["peer_service"] else ""
+            print(_safe(f"    {hop}{stream['service']} {stream['operation']}: p99 {stream['p99_ms']:.1f} ms against "
+                        f"{stream['baseline_p99_ms']:.1f} ms, {stream['slow_requests']} slow request(s), "
+                        f"evidence {stream['evidence']:.1f} from {stream['start']}"))
     for trace_id in spike["exemplar_trace_ids"]:
         print(_safe(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}"))
     from collector.web.links import spike_page_url

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import ssl
 import tomllib
 import typing
 from collections.abc import Callable
@@ -107,14 +108,35 @@ class CollectorConfig:
     otlp_http: HostPort = field(default_factory=lambda: HostPort("0.0.0.0", 4318))
     # Bearer token the REST API requires; mandatory when the API listens beyond loopback.
     api_token: str = ""
-    # Bearer token OTLP senders must present; strongly advised when OTLP listens beyond loopback.
+    # Bearer token OTLP senders must present; OTLP beyond loopback needs it or client certificates.
     otlp_token: str = ""
+    # OTLP beyond loopback needs otlp_token or client certificates (tls_client_ca_file); true allows neither.
+    allow_unauthenticated_otlp: bool = False
+    # TLS on all three listeners (OTLP/gRPC, OTLP/HTTP, API): PEM certificate (chain) and its unencrypted key.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # PEM CA certificates: the OTLP receivers require a client certificate signed by one of them (mTLS).
+    tls_client_ca_file: str = ""
+    # The same for the API port (browsers, Prometheus and the CLI then need a client certificate too).
+    api_tls_client_ca_file: str = ""
     # Spans + points waiting to be committed; beyond it senders are told to retry later.
     queue_capacity: int = 200_000
     # Most items committed in one transaction (several requests are merged up to it).
     batch_max_items: int = 20_000
     # Largest OTLP request accepted, after gzip decompression.
     max_request_bytes: int = 32 * 1024 * 1024
+    # Request bytes (after decompression) being decoded or awaiting their commit, over both OTLP receivers;
+    # beyond it senders are told to retry later. Memory held for them is about 3 times this.
+    max_bytes_in_flight: int = 128 * 1024 * 1024
+    # Span, event, scope and metric names and attribute keys are cut to this many characters (service and host
+    # names to at most 255), attribute values (strings, bytes) to max_attribute_value_length; counted.
+    max_name_length: int = 1024
+    max_attribute_value_length: int = 4096
+    # Attributes kept per span, resource, scope and metric point; the rest are dropped and counted.
+    max_attributes_per_span: int = 128
+    # Spans ending (and samples dated) more than this after the collector's clock are refused, counted by
+    # sender: a host whose clock runs ahead would otherwise close no window until its future came.
+    max_clock_skew_seconds: float = 300.0
     # Seconds a sender is asked to wait (Retry-After) when the queue is full.
     retry_after_seconds: int = 1
     # Event-time window that latency aggregates are cut into.
@@ -132,7 +154,7 @@ class CollectorConfig:
     # Span metrics on /metrics: the OpenTelemetry spanmetrics connector's series and model_inference_latency_seconds.
     span_metrics: bool = True
     # Most series per span-metrics histogram; spans of further series go to one overflow series, counted.
-    span_metrics_max_series: int = 5_000
+    span_metrics_max_series: int = 1_000
 
 
 @dataclass(slots=True)
@@ -143,6 +165,11 @@ class AgentConfig:
     collector: str = "127.0.0.1:4317"
     # Bearer token sent to the collector (its collector.otlp_token).
     collector_token: str = ""
+    # PEM CA certificates that verify the collector (https:// only); empty: the public CAs gRPC ships with.
+    collector_ca_file: str = ""
+    # Client certificate (PEM chain) and its unencrypted key, presented to a collector that requires one (mTLS).
+    collector_cert_file: str = ""
+    collector_key_file: str = ""
     # Local receivers for model servers; loopback by default, where SDKs send unless told otherwise.
     otlp_grpc: HostPort = field(default_factory=lambda: HostPort("127.0.0.1", 4317))
     otlp_http: HostPort = field(default_factory=lambda: HostPort("127.0.0.1", 4318))
@@ -192,6 +219,18 @@ class DetectionConfig:
     baseline_windows: int = 90
     # Calm windows in a row that resolve a spike.
     resolve_windows: int = 2
+    # Judge every caller -> callee edge on the callers' CLIENT spans too (a delay in front of a service).
+    hop_streams: bool = True
+    # Split an entry operation with a generic name (/*, HTTP GET) by route, else by where its requests go.
+    split_generic_operations: bool = True
+    # Sparse streams, request by request: requests a stream learns before its requests are judged ...
+    grace_requests: int = 24
+    # ... the evidence (-log10 odds, before the correction for the number of streams) that opens a spike ...
+    min_evidence: float = 4.0
+    # ... carried by at least this many distinct slow requests ...
+    min_slow_requests: int = 2
+    # ... and normal requests in a row after which a stream is calm again.
+    resolve_requests: int = 5
     # Spans of recent traces held in memory for attribution (about 300 bytes each).
     trace_buffer_spans: int = 200_000
     # Causes kept per spike.
@@ -467,6 +506,10 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
     c = cfg.collector
     positive = {"collector.queue_capacity": c.queue_capacity, "collector.batch_max_items": c.batch_max_items,
                 "collector.max_request_bytes": c.max_request_bytes, "collector.window_seconds": c.window_seconds,
+                "collector.max_bytes_in_flight": c.max_bytes_in_flight, "collector.max_name_length": c.max_name_length,
+                "collector.max_clock_skew_seconds": c.max_clock_skew_seconds,
+                "collector.max_attribute_value_length": c.max_attribute_value_length,
+                "collector.max_attributes_per_span": c.max_attributes_per_span,
                 "collector.max_streams": c.max_streams,
                 "collector.span_metrics_max_series": c.span_metrics_max_series,
                 "storage.span_retention_hours": cfg.storage.span_retention_hours,
@@ -474,8 +517,8 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                 "agent.interval": cfg.agent.interval, "agent.memory_queue_bytes": cfg.agent.memory_queue_bytes,
                 "agent.spool_max_bytes": cfg.agent.spool_max_bytes,
                 "agent.max_request_bytes": cfg.agent.max_request_bytes,
-                **{f"detection.{f.name}": getattr(cfg.detection, f.name)
-                   for f in dataclasses.fields(cfg.detection) if f.name not in ("min_abs_rise_ms", "enabled")}}
+                **{f"detection.{f.name}": getattr(cfg.detection, f.name) for f in dataclasses.fields(cfg.detection)
+                   if f.name != "min_abs_rise_ms" and not isinstance(getattr(cfg.detection, f.name), bool)}}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
@@ -509,6 +552,7 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
         raise ConfigError(f"{named('storage.url')}: expected a sqlite:// or postgresql:// URL, "
                           f"got {redact_url(url)!r}")
     _check_alerts(cfg.alerts, named)
+    _check_tls(cfg, named)
 
 
 def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:
@@ -560,6 +604,96 @@ def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:
             raise ConfigError(f"{where} ({route.name}): min_ratio is p99 over baseline and must be at least 1")
         if route.max_per_hour < 1:
             raise ConfigError(f"{where} ({route.name}): max_per_hour must be at least 1")
+
+
+def _check_tls(cfg: Config, named: Callable[[str], str]) -> None:
+    """TLS files a daemon can use: readable PEM, a key that matches its certificate, client CAs only with TLS."""
+    c, a = cfg.collector, cfg.agent
+    _check_cert_and_key(named, ("collector.tls_cert_file", c.tls_cert_file), ("collector.tls_key_file", c.tls_key_file))
+    for key, path in (("collector.tls_client_ca_file", c.tls_client_ca_file),
+                      ("collector.api_tls_client_ca_file", c.api_tls_client_ca_file)):
+        if path and not c.tls_cert_file:
+            raise ConfigError(f"{named(key)}: requiring client certificates needs TLS: set collector.tls_cert_file "
+                              "and collector.tls_key_file too")
+        _check_ca(named, key, path)
+    _check_cert_and_key(named, ("agent.collector_cert_file", a.collector_cert_file),
+                        ("agent.collector_key_file", a.collector_key_file))
+    _check_ca(named, "agent.collector_ca_file", a.collector_ca_file)
+    for key in ("agent.collector_ca_file", "agent.collector_cert_file"):
+        if getattr(a, key.partition(".")[2]) and not a.collector.startswith("https://"):
+            raise ConfigError(f"{named(key)}: needs TLS to the collector, but agent.collector ({a.collector}) is not "
+                              "an https:// URL; write it as https://HOST:PORT")
+
+
+def _read_pem(named: Callable[[str], str], key: str, path: str, marker: bytes, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{named(key)}: cannot read {path}: {exc.strerror}") from None
+    if marker not in data:
+        raise ConfigError(f"{named(key)}: {path} holds no PEM {what}")
+    return data
+
+
+def _no_passphrase() -> bytes:
+    # Without a callback OpenSSL would prompt on the terminal for an encrypted key.
+    raise ValueError("the key is encrypted")
+
+
+def _check_cert_and_key(named: Callable[[str], str], cert: tuple[str, str], key: tuple[str, str]) -> None:
+    (cert_key, cert_path), (key_key, key_path) = cert, key
+    if not cert_path and not key_path:
+        return
+    if not key_path or not cert_path:
+        given, missing = (cert_key, key_key) if cert_path else (key_key, cert_key)
+        raise ConfigError(f"{named(given)}: a TLS certificate and its key go together; set {missing} too")
+    _read_pem(named, cert_key, cert_path, b"-----BEGIN CERTIFICATE-----", "certificate (-----BEGIN CERTIFICATE-----)")
+    pem = _read_pem(named, key_key, key_path, b"PRIVATE KEY-----", "private key (-----BEGIN PRIVATE KEY-----)")
+    if b"ENCRYPTED" in pem:
+        raise ConfigError(f"{named(key_key)}: {key_path} is encrypted; a daemon cannot ask for a passphrase, so give "
+                          "it the key unencrypted (openssl pkey -in KEY -out KEY.plain), readable by it alone")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path, password=_no_passphrase)
+    except (ssl.SSLError, ValueError) as exc:
+        if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"{named(key_key)}: the key in {key_path} does not belong to the certificate in "
+                              f"{cert_path} ({cert_key})") from None
+        raise ConfigError(f"{named(key_key)}: {cert_path} and {key_path} are no usable certificate and key: "
+                          f"{getattr(exc, 'reason', None) or exc}") from None
+
+
+def _check_ca(named: Callable[[str], str], key: str, path: str) -> None:
+    if not path:
+        return
+    _read_pem(named, key, path, b"-----BEGIN CERTIFICATE-----", "CA certificate (-----BEGIN CERTIFICATE-----)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"{named(key)}: {path} holds no usable CA certificate: {exc.reason or exc}") from None
+
+
+def check_otlp_exposure(cfg: Config) -> None:
+    """Refuse OTLP receivers beyond loopback that would take data from anyone (the collector calls this at start).
+
+    Not part of ``load``: the agent reads the same tree, and the collector's defaults must not stop it.
+
+    >>> check_otlp_exposure(load(env={}, flags={"collector.otlp_token": "t0ken"}))
+    >>> check_otlp_exposure(load(env={}))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    spikehound.config.ConfigError: collector.otlp_grpc (default 0.0.0.0:4317): OTLP beyond loopback without ...
+    """
+    c, defaults = cfg.collector, CollectorConfig()
+    if c.otlp_token or c.tls_client_ca_file or c.allow_unauthenticated_otlp:
+        return
+    for name in ("otlp_grpc", "otlp_http"):
+        listen: HostPort = getattr(c, name)
+        if not listen.is_loopback:
+            shown = f"default {listen}" if listen == getattr(defaults, name) else str(listen)
+            raise ConfigError(f"collector.{name} ({shown}): OTLP beyond loopback without authentication takes data "
+                              f"from any host that reaches it; bind it to loopback (127.0.0.1:{listen.port}), set "
+                              "collector.otlp_token (SPIKEHOUND_COLLECTOR_OTLP_TOKEN), require client certificates "
+                              "(collector.tls_client_ca_file), or set collector.allow_unauthenticated_otlp = true")
 
 
 def _is_loopback_host(host: str) -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Callable
 from typing import Protocol
 
@@ -132,15 +133,17 @@ async def _watchdog(notifier: Notifier) -> None:
         await asyncio.sleep(notifier.watchdog_interval)
 
 
-async def start_http(app: web.Application, listen: HostPort, what: str) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``listen``; return the runner (``cleanup()`` stops it) and the bound port.
+async def start_http(app: web.Application, listen: HostPort, what: str,
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``listen`` (over TLS with ``ssl_context``); return the runner (``cleanup()`` stops it)
+    and the bound port.
 
     Raises OSError with one readable line when the address cannot be bound.
     """
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        await web.TCPSite(runner, listen.host, listen.port, reuse_address=True).start()
+        await web.TCPSite(runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context).start()
     except OSError as exc:
         await runner.cleanup()
         raise OSError(f"cannot listen for {what} on {listen}: {exc.strerror}") from None

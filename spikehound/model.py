@@ -174,10 +174,12 @@ class MetricPoint:
 
 @dataclass(slots=True, frozen=True)
 class LatencyWindow:
-    """The latency of one stream, (service, operation), over one closed event-time window.
+    """The latency of one stream over one closed event-time window.
 
-    ``samples`` holds the window's requests as ``(duration_ns, trace_id, span_id)``, slowest last,
-    for the detectors (low-traffic merging, exemplars, attribution); it is not stored.
+    An entry stream is (service, operation) with ``peer_service`` None; a hop stream is measured on the
+    CLIENT spans of ``peer_service`` (the caller) calling ``service``'s ``operation`` (the callee).
+    ``samples`` holds the window's requests as ``(duration_ns, trace_id, span_id, end_unix_nano)``,
+    slowest last, for the detectors (low-traffic merging, exemplars, attribution); it is not stored.
     """
 
     service: str
@@ -189,7 +191,8 @@ class LatencyWindow:
     p95_ns: int
     p99_ns: int
     max_ns: int
-    samples: tuple[tuple[int, bytes, bytes], ...] = field(default=(), compare=False, repr=False)
+    samples: tuple[tuple[int, bytes, bytes, int], ...] = field(default=(), compare=False, repr=False)
+    peer_service: str | None = None
 
 
 class CauseKind(enum.StrEnum):
@@ -222,8 +225,33 @@ class Cause:
 
 
 @dataclass(slots=True, frozen=True)
+class AffectedStream:
+    """One latency stream an incident moved, with its own numbers; times are event time (ns).
+
+    ``peer_service`` is None for an entry stream (``service``'s ``operation``) and the caller for a hop
+    stream (the caller's CLIENT spans calling ``service``'s ``operation``). ``evidence`` is the most the
+    stream's tests said against normal, in ``-log10`` odds.
+    """
+
+    service: str
+    operation: str
+    peer_service: str | None
+    start_unix_nano: int
+    last_anomalous_end_unix_nano: int
+    p99_ns: int
+    baseline_p99_ns: int
+    evidence: float
+    slow_requests: int = 0
+
+
+@dataclass(slots=True, frozen=True)
 class Spike:
-    """A p99 spike on one latency stream, open until it resolves; times are event time (ns)."""
+    """A p99 spike: one incident, led by its most user-facing stream, open until it resolves.
+
+    ``service``/``operation``/``peer_service`` name the leading stream (``peer_service`` set: a hop, as
+    in :class:`AffectedStream`); ``affected`` lists every stream the incident moved, the leader first.
+    Times are event time (ns).
+    """
 
     id: str
     service: str
@@ -236,3 +264,5 @@ class Spike:
     causes: tuple[Cause, ...] = ()
     exemplar_trace_ids: tuple[bytes, ...] = ()
     detected_unix_nano: int | None = None  # the event-time watermark at which the detector opened it
+    peer_service: str | None = None
+    affected: tuple[AffectedStream, ...] = ()

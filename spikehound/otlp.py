@@ -46,6 +46,9 @@ _KINDS = {0: SpanKind.INTERNAL, 1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: Spa
 _STATUSES = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
 _NO_RECORDED_VALUE = 1  # DataPointFlags.FLAG_NO_RECORDED_VALUE_MASK
 MAX_TIME_NS = (1 << 63) - 1  # times are stored as signed 64-bit integers
+# Storage indexes service and host names as VARCHAR(255): a longer one would read differently in the trace
+# and in the lists of services and hosts.
+MAX_RESOURCE_NAME_LENGTH = 255
 
 
 class PayloadError(ValueError):
@@ -97,6 +100,28 @@ def gunzip(body: bytes, limit: int) -> bytes:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How much of each record the collector keeps, in the spirit of OpenTelemetry's attribute limits.
+
+    Longer strings are cut to ``name`` or ``value`` characters (by character, so never inside a UTF-8
+    sequence), bytes values to ``value`` bytes; the attributes of a span, resource, scope or metric point
+    beyond the first ``attributes`` are dropped (added to the OTLP ``dropped_attributes_count`` where the
+    record has one). Service and host names are cut at ``resource_name``.
+
+    >>> Limits(name=2000).resource_name
+    255
+    """
+
+    name: int = 1024  # span, event, scope and metric names, attribute keys
+    value: int = 4096  # string and bytes attribute values (each element of an array or map), status messages
+    attributes: int = 128  # attributes per span, resource, scope and metric point (events and links keep theirs)
+
+    @property
+    def resource_name(self) -> int:
+        return min(self.name, MAX_RESOURCE_NAME_LENGTH)
+
+
 @dataclass(slots=True)
 class Decoded:
     """Result of decoding one export request."""
@@ -107,6 +132,10 @@ class Decoded:
     errors: list[str] = field(default_factory=list)
     # The request re-encoded with exactly the accepted spans (what storage keeps), set by decode_spans.
     payload: bytes = b""
+    # What was cut to the Limits: field (span_name, attribute_value, attributes_dropped, ...) -> how many.
+    truncated: dict[str, int] = field(default_factory=dict)
+    # Spans and points refused for ending after the receiver's clock plus the allowed skew, by (service, host).
+    future: dict[tuple[str, str | None], int] = field(default_factory=dict)
 
     def reject(self, message: str) -> None:
         self.rejected += 1
@@ -177,6 +206,136 @@ def _set_attributes(target: Any, values: dict[str, Any]) -> None:
         set_any_value(target.add(key=key).value, value)
 
 
+# --- limits -----------------------------------------------------------------------------------
+
+
+class _Fit:
+    """Cuts the records of one request to ``Limits`` in place, counting each cut in ``counts`` by field.
+
+    Every method returns True when it changed the message (the stored encoding must then be redone).
+    """
+
+    def __init__(self, limits: Limits, counts: dict[str, int]) -> None:
+        self.limits = limits
+        self.counts = counts
+        # An encoding no longer than this holds no string over a limit, so most records are passed on their
+        # size alone (upb computes it in C); only larger ones are walked.
+        self.text_gate = min(limits.name, limits.value)
+        # ... and one no longer than this no more attributes than allowed: an attribute takes 2 bytes at least.
+        self.count_gate = 2 * limits.attributes
+
+    def text(self, value: str, limit: int, kind: str) -> str | None:
+        """``value`` cut to ``limit`` characters, counted; None when it fits."""
+        if len(value) <= limit:
+            return None
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        return value[:limit]
+
+    def span(self, sp: trace_pb2.Span) -> bool:
+        limits = self.limits
+        changed = self.attributes(sp.attributes, sp)
+        if (cut := self.text(sp.name, limits.name, "span_name")) is not None:
+            sp.name, changed = cut, True
+        if (cut := self.text(sp.status.message, limits.value, "status_message")) is not None:
+            sp.status.message, changed = cut, True
+        for event in sp.events:
+            if (cut := self.text(event.name, limits.name, "event_name")) is not None:
+                event.name, changed = cut, True
+            changed |= self.attributes(event.attributes, None, cap=False)
+        for link in sp.links:  # events and links keep all their attributes, cut in length (bounded by the request)
+            changed |= self.attributes(link.attributes, None, cap=False)
+        return changed
+
+    def resource(self, resource: Any) -> bool:
+        """A resource: service and host names at ``resource_name``, then its attributes.
+
+        The service and host names say whose records these are, so they are never among the attributes
+        dropped over the limit, wherever the sender put them: the limit counts the other attributes.
+        """
+        kvs = resource.attributes
+        changed = self._cap_keeping_names(kvs, resource)
+        for kv in kvs:
+            kind = _RESOURCE_NAMES.get(kv.key)
+            if (kind is not None and kv.value.WhichOneof("value") == "string_value"
+                    and (cut := self.text(kv.value.string_value, self.limits.resource_name, kind)) is not None):
+                kv.value.string_value, changed = cut, True
+        return self.attributes(kvs, resource, cap=False) or changed
+
+    def _cap_keeping_names(self, kvs: Any, resource: Any) -> bool:
+        """Drop the resource attributes past the first ``attributes`` that are not service or host names."""
+        most = self.limits.attributes
+        if len(kvs) <= most:
+            return False
+        kept: list[KeyValue] = []
+        others = 0
+        for kv in kvs:
+            if kv.key in _RESOURCE_NAMES or others < most:
+                others += kv.key not in _RESOURCE_NAMES
+                kept.append(KeyValue(key=kv.key, value=kv.value))  # a copy: the originals go with the del below
+        extra = len(kvs) - len(kept)
+        if not extra:
+            return False
+        del kvs[:]
+        kvs.extend(kept)
+        resource.dropped_attributes_count += extra
+        self.counts["attributes_dropped"] = self.counts.get("attributes_dropped", 0) + extra
+        return True
+
+    def scope(self, scope: Any) -> bool:
+        changed = self.attributes(scope.attributes, scope)
+        for name in ("name", "version"):
+            if (cut := self.text(getattr(scope, name), self.limits.name, "scope_name")) is not None:
+                setattr(scope, name, cut)
+                changed = True
+        return changed
+
+    def attributes(self, kvs: Any, owner: Any, cap: bool = True) -> bool:
+        """Keys and values of ``kvs`` cut; with ``cap``, attributes beyond the limit dropped (into ``owner``'s
+        ``dropped_attributes_count`` when it has one)."""
+        limits = self.limits
+        changed = False
+        extra = len(kvs) - limits.attributes
+        if cap and extra > 0:
+            del kvs[limits.attributes:]
+            if owner is not None:
+                owner.dropped_attributes_count += extra
+            self.counts["attributes_dropped"] = self.counts.get("attributes_dropped", 0) + extra
+            changed = True
+        gate = self.text_gate
+        for kv in kvs:
+            if kv.ByteSize() <= gate:
+                continue
+            # service.name and host.name stay whole, whatever the name limit: they say whose record it is.
+            if kv.key not in _RESOURCE_NAMES and (cut := self.text(kv.key, limits.name, "attribute_key")) is not None:
+                kv.key, changed = cut, True
+            changed |= self.value(kv.value)
+        return changed
+
+    def value(self, v: AnyValue) -> bool:
+        which = v.WhichOneof("value")
+        limit = self.limits.value
+        if which == "string_value":
+            if (cut := self.text(v.string_value, limit, "attribute_value")) is not None:
+                v.string_value = cut
+                return True
+        elif which == "bytes_value":
+            if len(v.bytes_value) > limit:
+                self.counts["attribute_value"] = self.counts.get("attribute_value", 0) + 1
+                v.bytes_value = v.bytes_value[:limit]
+                return True
+        elif which == "array_value":
+            changed = False
+            for item in v.array_value.values:
+                changed |= self.value(item)
+            return changed
+        elif which == "kvlist_value":
+            return self.attributes(v.kvlist_value.values, None, cap=False)
+        return False
+
+
+_RESOURCE_NAMES = {"service.name": "service_name", "host.name": "host_name"}
+
+
 # --- traces -----------------------------------------------------------------------------------
 
 
@@ -188,11 +347,19 @@ def parse_trace_request(body: bytes, *, json: bool = False) -> ExportTraceServic
 
 
 def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
-                 trace_id: bytes | None = None) -> Decoded:
+                 trace_id: bytes | None = None, limits: Limits | None = None,
+                 not_after_ns: int = MAX_TIME_NS) -> Decoded:
     """Validate and convert every span of a request (only those of ``trace_id`` when given).
 
-    ``payload`` of the result is ``body`` (the request as received) when every span is
-    valid, else the request re-encoded without the rejected spans.
+    A span ending after ``not_after_ns`` (the receivers pass their clock plus
+    ``collector.max_clock_skew_seconds``) is refused: its sender's clock is wrong, and event time taken
+    from it would close no window for years. Refusals by clock are counted per (service, host) in
+    ``future``.
+
+    With ``limits`` (what the receivers pass) longer names and values are cut and surplus attributes
+    dropped in the request itself, counted in ``truncated``, so that storage, the detectors and the API all
+    see the same bounded strings. ``payload`` of the result is ``body`` (the request as received) when every
+    span is valid and nothing was cut, else the request re-encoded with the valid spans as cut.
     """
     out = Decoded()
     spans = out.spans
@@ -200,32 +367,55 @@ def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
     invalid: list[tuple[int, int, int]] = []  # (resource, scope, span) positions of rejected spans
     received, kinds, statuses = Span.received, _KINDS, _STATUSES
     internal, unset = SpanKind.INTERNAL, StatusCode.UNSET
+    fit = _Fit(limits, out.truncated) if limits is not None else None
+    text_gate, count_gate = (fit.text_gate, fit.count_gate) if fit is not None else (0, 0)
+    max_attributes = limits.attributes if limits is not None else 0
+    byte_size = trace_pb2.Span.ByteSize  # unbound: saves an attribute look-up a span
+    cut = False  # whether the request was changed by ``fit``
     for ri, rs in enumerate(req.resource_spans):
+        if fit is not None:
+            cut |= fit.resource(rs.resource)
         resource = attributes(rs.resource.attributes)
         service = resource.pop("service.name", None) or UNKNOWN_SERVICE
-        host = resource.pop("host.name", None)
-        if not isinstance(service, str):
-            service = str(service)
+        host = resource.pop("host.name", None) or None  # an empty host name is none
+        # Another type (a number, a list, bytes as hex) names them by its text, cut like a string.
+        service = str(service)[:limits.resource_name] if limits is not None else str(service)
+        if host is not None:
+            host = str(host)[:limits.resource_name] if limits is not None else str(host)
         for si, ss in enumerate(rs.scope_spans):
+            if fit is not None:
+                cut |= fit.scope(ss.scope)
             for pi, sp in enumerate(ss.spans):
                 # Hot path: read each field once and check inline; _span_problem words the rare failure.
                 tid, span_id, parent = sp.trace_id, sp.span_id, sp.parent_span_id
                 if trace_id is not None and tid != trace_id:
                     continue
                 start, end = sp.start_time_unix_nano, sp.end_time_unix_nano
-                if (len(tid) != 16 or len(span_id) != 8 or (parent and len(parent) != 8)
+                if (len(tid) != 16 or len(span_id) != 8 or (parent and (len(parent) != 8 or parent == span_id))
                         or tid == _ZERO_TRACE or span_id == _ZERO_SPAN
-                        or not start or end < start or end > MAX_TIME_NS):
-                    out.reject(f"span {index} ({sp.name[:80]}): {_span_problem(sp)}")
+                        or not start or end < start or end > not_after_ns):
+                    problem = _span_problem(sp)
+                    if problem is None:  # well formed, but dated after the clock allows
+                        problem = f"it ends {_future(end, not_after_ns)}"
+                        out.future[(service, host)] = out.future.get((service, host), 0) + 1
+                    out.reject(f"span {index} ({sp.name[:80]}): {problem}")
                     invalid.append((ri, si, pi))
                 else:
+                    if fit is not None:
+                        # The size alone clears nearly every span; only a larger one is walked.
+                        size = byte_size(sp)
+                        if size > text_gate or (size > count_gate and len(sp.attributes) > max_attributes):
+                            cut |= fit.span(sp)
                     # Positional and without HasField: an absent status reads as code 0, UNSET.
                     spans.append(received(tid, span_id, parent or None, service, host, sp.name,
                                           kinds.get(sp.kind, internal), start, end,
                                           statuses.get(sp.status.code, unset), resource, sp))
                 index += 1
     if trace_id is None:
-        out.payload = _without(req, invalid) if invalid else (body if body is not None else req.SerializeToString())
+        if invalid:
+            out.payload = _without(req, invalid)
+        else:
+            out.payload = body if body is not None and not cut else req.SerializeToString()
     return out
 
 
@@ -243,6 +433,11 @@ def _without(req: ExportTraceServiceRequest, positions: list[tuple[int, int, int
     return kept.SerializeToString()
 
 
+def _future(time_ns: int, not_after_ns: int) -> str:
+    return (f"{(time_ns - not_after_ns) / 1e9:.0f} s after the collector's clock allows (its clock plus "
+            "collector.max_clock_skew_seconds): the sender's clock is wrong")
+
+
 def _span_problem(sp: trace_pb2.Span) -> str | None:
     if len(sp.trace_id) != 16:
         return f"trace_id must be 16 bytes, got {len(sp.trace_id)}"
@@ -254,6 +449,8 @@ def _span_problem(sp: trace_pb2.Span) -> str | None:
         return "span_id is all zeroes"
     if sp.parent_span_id and len(sp.parent_span_id) != 8:
         return f"parent_span_id must be empty or 8 bytes, got {len(sp.parent_span_id)}"
+    if sp.parent_span_id == sp.span_id:  # a loop no walk over the trace's tree may follow
+        return "parent_span_id is the span's own id"
     if not sp.start_time_unix_nano or not sp.end_time_unix_nano:
         return "start and end time are required"
     if sp.end_time_unix_nano > MAX_TIME_NS:
@@ -319,19 +516,29 @@ def parse_metrics_request(body: bytes, *, json: bool = False) -> ExportMetricsSe
     return req
 
 
-def decode_metrics(req: ExportMetricsServiceRequest, body: bytes | None = None) -> Decoded:
+def decode_metrics(req: ExportMetricsServiceRequest, body: bytes | None = None, *,
+                   limits: Limits | None = None, not_after_ns: int = MAX_TIME_NS) -> Decoded:
     """Convert gauge and sum points into resource samples keyed by ``host.name``.
 
     Histograms and summaries are not resource samples: they are rejected with a
     reason (reported back through ``partial_success``), never silently dropped.
     ``body`` is accepted for symmetry with ``decode_spans``; samples are stored as rows.
+    ``limits`` cut host and metric names and point attributes as in ``decode_spans``, and a point dated after
+    ``not_after_ns`` is refused as a span ending then is.
     """
     out = Decoded()
+    fit = _Fit(limits, out.truncated) if limits is not None else None
     for rm in req.resource_metrics:
+        if fit is not None:
+            fit.resource(rm.resource)
         resource = attributes(rm.resource.attributes)
         host = resource.get("host.name")
+        if isinstance(host, str) and limits is not None:  # bytes come as hex: cut that text like a string
+            host = host[:limits.resource_name]
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
+                if fit is not None:
+                    _fit_metric(fit, metric)
                 which = metric.WhichOneof("data")
                 if which == "gauge":
                     kind, data_points = MetricKind.GAUGE, metric.gauge.data_points
@@ -339,33 +546,38 @@ def decode_metrics(req: ExportMetricsServiceRequest, body: bytes | None = None) 
                     temporality = metric.sum.aggregation_temporality
                     if temporality not in (1, 2):
                         for _ in metric.sum.data_points:
-                            out.reject(f"metric {metric.name}: sum without aggregation temporality")
+                            out.reject(f"metric {metric.name[:80]}: sum without aggregation temporality")
                         continue
                     kind = MetricKind.SUM_CUMULATIVE if temporality == 2 else MetricKind.SUM_DELTA
                     data_points = metric.sum.data_points
                 else:
                     count = len(getattr(metric, which).data_points) if which else 0
                     for _ in range(max(count, 1)):
-                        out.reject(f"metric {metric.name}: type {which or 'empty'} is not a resource sample")
+                        out.reject(f"metric {metric.name[:80]}: type {which or 'empty'} is not a resource sample")
                     continue
                 if not host or not isinstance(host, str):
                     for _ in data_points:
-                        out.reject(f"metric {metric.name}: resource has no host.name attribute")
+                        out.reject(f"metric {metric.name[:80]}: resource has no host.name attribute")
                     continue
                 for dp in data_points:
                     if dp.flags & _NO_RECORDED_VALUE:
                         continue
                     number = dp.WhichOneof("value")
                     if number is None:
-                        out.reject(f"metric {metric.name}: data point without a value")
+                        out.reject(f"metric {metric.name[:80]}: data point without a value")
                         continue
                     if not dp.time_unix_nano or dp.time_unix_nano > MAX_TIME_NS:
-                        out.reject(f"metric {metric.name}: data point time {dp.time_unix_nano} is missing or "
+                        out.reject(f"metric {metric.name[:80]}: data point time {dp.time_unix_nano} is missing or "
                                    "beyond the year 2262")
                         continue
+                    if dp.time_unix_nano > not_after_ns:
+                        out.reject(f"metric {metric.name[:80]}: data point dated "
+                                   f"{_future(dp.time_unix_nano, not_after_ns)}")
+                        out.future[(UNKNOWN_SERVICE, host)] = out.future.get((UNKNOWN_SERVICE, host), 0) + 1
+                        continue
                     value = float(dp.as_double if number == "as_double" else dp.as_int)
-                    if math.isnan(value):
-                        out.reject(f"metric {metric.name}: value is NaN")
+                    if not math.isfinite(value):  # NaN or infinite: no detector can learn from it, JSON cannot say it
+                        out.reject(f"metric {metric.name[:80]}: value {value} is not a finite number")
                         continue
                     out.points.append(MetricPoint(
                         host=host,
@@ -378,6 +590,20 @@ def decode_metrics(req: ExportMetricsServiceRequest, body: bytes | None = None) 
                         start_unix_nano=dp.start_time_unix_nano,
                     ))
     return out
+
+
+def _fit_metric(fit: _Fit, metric: Any) -> None:
+    """A metric's name, unit and the attributes of its gauge or sum points cut to ``fit``'s limits."""
+    if (cut := fit.text(metric.name, fit.limits.name, "metric_name")) is not None:
+        metric.name = cut
+    if (cut := fit.text(metric.unit, fit.limits.name, "metric_unit")) is not None:
+        metric.unit = cut
+    which = metric.WhichOneof("data")
+    if which in ("gauge", "sum"):
+        for dp in getattr(metric, which).data_points:
+            size = dp.ByteSize()
+            if size > fit.text_gate or (size > fit.count_gate and len(dp.attributes) > fit.limits.attributes):
+                fit.attributes(dp.attributes, None)
 
 
 def encode_points(points: Iterable[MetricPoint]) -> ExportMetricsServiceRequest:
@@ -457,7 +683,9 @@ def _parse(req: Any, body: bytes, json: bool, id_paths: tuple[tuple[Any, ...], .
         try:
             json_format.ParseDict(doc, req, ignore_unknown_fields=True)
         except (json_format.ParseError, TypeError, ValueError) as exc:
-            raise PayloadError(f"invalid OTLP/JSON: {exc}") from None
+            # Cut: protobuf quotes the offending value whole, and a gRPC status message must stay within
+            # the 16 KiB of metadata clients accept (past it they see RESOURCE_EXHAUSTED, and retry).
+            raise PayloadError(f"invalid OTLP/JSON: {str(exc)[:300]}") from None
     else:
         try:
             req.ParseFromString(body)

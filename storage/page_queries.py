@@ -17,6 +17,7 @@ from sqlalchemy import Engine, func, select
 
 from spikehound.model import LatencyWindow, MetricKind
 from storage import schema
+from storage.reader import window_of
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,11 +47,10 @@ def recent_windows(engine: Engine, lookback_ns: int) -> list[LatencyWindow]:
             newest = conn.execute(select(func.max(w.c.start_ns)).where(w.c.service == service)).scalar()
             if newest is None:
                 continue
-            rows = conn.execute(select(w).where(w.c.service == service, w.c.start_ns >= newest - lookback_ns)
+            rows = conn.execute(select(w).where(w.c.service == service, w.c.start_ns >= newest - lookback_ns,
+                                                w.c.peer_service == "")  # entry streams: the service's own
                                 .order_by(w.c.start_ns, w.c.operation)).all()
-            out += [LatencyWindow(service=r.service, operation=r.operation, start_unix_nano=r.start_ns,
-                                  end_unix_nano=r.end_ns, count=r.count, p50_ns=r.p50_ns, p95_ns=r.p95_ns,
-                                  p99_ns=r.p99_ns, max_ns=r.max_ns) for r in rows]
+            out += [window_of(r) for r in rows]
     return out
 
 

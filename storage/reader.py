@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, and_, func, select
+from sqlalchemy import Engine, and_, func, or_, select
 
-from spikehound.model import Cause, CauseKind, LatencyWindow, Span, Spike
+from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Span, Spike
 from spikehound.otlp import spans_of_trace
 from storage import schema
 
@@ -72,17 +72,16 @@ class Reader:
         return list(out.items())
 
     def latency(self, service: str, operation: str | None, since_ns: int, until_ns: int,
-                limit: int = 10_000) -> list[LatencyWindow]:
+                limit: int = 10_000, peer_service: str | None = None) -> list[LatencyWindow]:
+        """Windows of ``service``'s entry streams, or with ``peer_service`` of the hops from it into ``service``."""
         w = schema.latency_windows
-        conditions = [w.c.service == service, w.c.start_ns >= since_ns, w.c.start_ns < until_ns]
+        conditions = [w.c.service == service, w.c.start_ns >= since_ns, w.c.start_ns < until_ns,
+                      w.c.peer_service == (peer_service or "")]
         if operation is not None:
             conditions.append(w.c.operation == operation)
         query = select(w).where(and_(*conditions)).order_by(w.c.start_ns, w.c.operation).limit(limit)
         with self.engine.connect() as conn:
-            return [LatencyWindow(service=r.service, operation=r.operation, start_unix_nano=r.start_ns,
-                                  end_unix_nano=r.end_ns, count=r.count, p50_ns=r.p50_ns, p95_ns=r.p95_ns,
-                                  p99_ns=r.p99_ns, max_ns=r.max_ns)
-                    for r in conn.execute(query)]
+            return [window_of(r) for r in conn.execute(query)]
 
     def hosts(self) -> list[HostSummary]:
         h, m = schema.hosts, schema.metric_series
@@ -125,8 +124,9 @@ class Reader:
                state: str | None = None, limit: int = 500) -> list[Spike]:
         k = schema.spikes
         query = select(k).order_by(k.c.start_ns.desc(), k.c.id.desc()).limit(limit)
-        if service is not None:
-            query = query.where(k.c.service == service)
+        if service is not None:  # the service leads the spike or is one of the streams it moved
+            moved = select(schema.spike_streams.c.spike_id).where(schema.spike_streams.c.service == service)
+            query = query.where(or_(k.c.service == service, k.c.id.in_(moved)))
         if since_ns is not None:
             query = query.where(k.c.start_ns >= since_ns)
         if until_ns is not None:
@@ -166,19 +166,26 @@ class Reader:
     def _with_causes(conn: Any, rows: Sequence[Any]) -> list[Spike]:
         if not rows:
             return []
-        c = schema.causes
+        c, a = schema.causes, schema.spike_streams
+        ids = [r.id for r in rows]
         causes: dict[str, list[Cause]] = {}
-        query = select(c).where(c.c.spike_id.in_([r.id for r in rows])).order_by(c.c.spike_id, c.c.rank)
-        for r in conn.execute(query):
+        for r in conn.execute(select(c).where(c.c.spike_id.in_(ids)).order_by(c.c.spike_id, c.c.rank)):
             causes.setdefault(r.spike_id, []).append(Cause(
                 kind=CauseKind(r.kind), score=r.score, summary=r.summary, service=r.service,
                 operation=r.operation, peer_service=r.peer_service, host=r.host, resource=r.resource,
                 baseline=r.baseline, observed=r.observed, unit=r.unit))
+        affected: dict[str, list[AffectedStream]] = {}
+        for r in conn.execute(select(a).where(a.c.spike_id.in_(ids)).order_by(a.c.spike_id, a.c.rank)):
+            affected.setdefault(r.spike_id, []).append(AffectedStream(
+                service=r.service, operation=r.operation, peer_service=r.peer_service, start_unix_nano=r.start_ns,
+                last_anomalous_end_unix_nano=r.last_anomalous_end_ns, p99_ns=r.p99_ns,
+                baseline_p99_ns=r.baseline_p99_ns, evidence=r.evidence, slow_requests=r.slow_requests))
         return [Spike(id=r.id, service=r.service, operation=r.operation, state=r.state,
                       start_unix_nano=r.start_ns, end_unix_nano=r.end_ns, p99_ns=r.p99_ns,
                       baseline_p99_ns=r.baseline_p99_ns, causes=tuple(causes.get(r.id, ())),
                       exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)),
-                      detected_unix_nano=r.detected_ns)
+                      detected_unix_nano=r.detected_ns, peer_service=r.peer_service,
+                      affected=tuple(affected.get(r.id, ())))
                 for r in rows]
 
     def span_payloads(self, since_ns: int, until_ns: int, *, max_block_seconds: int = 3600) -> Iterator[bytes]:
@@ -203,6 +210,13 @@ class Reader:
                 if digest not in seen:
                     seen.add(digest)
                     yield data
+
+
+def window_of(row: Any) -> LatencyWindow:
+    """A stored ``latency_windows`` row as the model's window (an empty peer_service is an entry stream)."""
+    return LatencyWindow(service=row.service, operation=row.operation, start_unix_nano=row.start_ns,
+                         end_unix_nano=row.end_ns, count=row.count, p50_ns=row.p50_ns, p95_ns=row.p95_ns,
+                         p99_ns=row.p99_ns, max_ns=row.max_ns, peer_service=row.peer_service or None)
 
 
 def count_rows(engine: Engine, table: str) -> int:

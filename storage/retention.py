@@ -1,7 +1,10 @@
 """Retention: raw span blocks and metric samples go by age and by size, oldest arrivals first, in small batches.
 
 Latency windows, spikes and causes are kept (they are small), and so are the span blocks holding a trace
-that a stored spike names as an exemplar: neither cap ever deletes them. Deleting in batches keeps each
+that a stored spike names as an exemplar: neither cap ever deletes them. Operations (the span names of
+``/api/v1/services``) go when none was recorded for the span age, and beyond ``operation_max_count`` the
+services holding the most lose their least recently recorded ones first, so one service that puts ids into
+its span names cannot push the others out. Deleting in batches keeps each
 write transaction short, so ingest is never blocked for long. Arrival time, not event time, decides: a
 replay of last year's capture is kept as long as fresh data.
 
@@ -40,6 +43,7 @@ from sqlalchemy import (
 
 from storage import schema
 from storage.reader import Reader
+from storage.writer import OPERATION_REFRESH_SECONDS
 
 log = logging.getLogger("spikehound.storage.retention")
 
@@ -56,6 +60,7 @@ class RetentionPolicy:
     point_max_age_s: float
     span_max_bytes: int = 0
     point_max_count: int = 0
+    operation_max_count: int = 50_000  # (service, span name) pairs listed by /api/v1/services
 
     @property
     def size_capped(self) -> bool:
@@ -68,6 +73,7 @@ class RetentionResult:
     points: int = 0
     spans_over_size: int = 0  # deleted to bring the store back under its size caps
     points_over_size: int = 0
+    operations: int = 0  # not recorded for the span age, or beyond operation_max_count
 
 
 @dataclass(slots=True)
@@ -152,7 +158,52 @@ class Retention:
         point_excess = self._points.total - policy.point_max_count
         if self.measured and policy.point_max_count and point_excess > 0:
             result.points_over_size = self._delete_points(None, max_batches, point_excess)
+        # An operation still sending is recorded again every OPERATION_REFRESH_SECONDS: never take it for gone.
+        age = max(policy.span_max_age_s, 2 * OPERATION_REFRESH_SECONDS)
+        result.operations = self._prune_operations(int(now_s - age), policy.operation_max_count, max_batches)
+        if result.operations:
+            log.info("retention deleted %d operations not recorded for %.0f hours or beyond the %d kept",
+                     result.operations, age / 3600, policy.operation_max_count)
         return result
+
+    def _prune_operations(self, cutoff_s: int, max_count: int, max_batches: int) -> int:
+        """Delete operations last recorded before ``cutoff_s``, then the least recently recorded of the services
+        over their fair share of ``max_count`` (0: no cap); the number deleted."""
+        o = schema.operations
+        deleted = self._delete_rows(o, o.c.first_seen_at < cutoff_s, max_batches)
+        if not max_count:
+            return deleted
+        with self.engine.connect() as conn:
+            counts = conn.execute(select(o.c.service, func.count()).group_by(o.c.service)).all()
+        level = fair_level([n for _, n in counts], max_count)
+        for service, count in counts:
+            excess = count - level
+            if excess <= 0:
+                continue
+            mine = o.c.service == service
+            with self.engine.connect() as conn:  # the time of the excess-th least recently recorded
+                boundary = conn.execute(select(o.c.first_seen_at).where(mine).order_by(o.c.first_seen_at)
+                                        .offset(excess - 1).limit(1)).scalar_one()
+            older = self._delete_rows(o, mine & (o.c.first_seen_at < boundary), max_batches)
+            deleted += older + self._delete_rows(o, mine & (o.c.first_seen_at == boundary), max_batches,
+                                                 excess - older)
+        return deleted
+
+    def _delete_rows(self, table: Table, condition: ColumnElement[bool], max_batches: int,
+                     budget: int | None = None) -> int:
+        """Delete the rows of ``table`` matching ``condition`` (at most ``budget``), a short transaction a batch."""
+        total = 0
+        for _ in range(max_batches):
+            limit = DELETE_BATCH if budget is None else min(DELETE_BATCH, budget - total)
+            if limit <= 0:
+                break
+            victims = select(self._row).select_from(table).where(condition).limit(limit)
+            with self.engine.begin() as conn:
+                done = conn.execute(delete(table).where(self._row.in_(victims))).rowcount
+            total += done
+            if done < limit:
+                break
+        return total
 
     def expire(self, span_cutoff_s: int, point_cutoff_s: int, max_batches: int = 200,
                keep: set[bytes] | None = None) -> RetentionResult:
@@ -222,6 +273,22 @@ class Retention:
                 if deleted < limit:
                     break
         return total
+
+
+def fair_level(counts: Sequence[int], cap: int) -> int:
+    """The most rows each holder may keep so that all of them keep at most ``cap`` in all (water-filling).
+
+    >>> fair_level([10, 200_000, 40], 1_000), fair_level([10, 20], 1_000)
+    (950, 20)
+    """
+    low, high = 0, max(counts, default=0)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if sum(min(n, mid) for n in counts) <= cap:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _prefix_freeing(candidates: Sequence[Row[Any]], needed: int) -> Sequence[Row[Any]]:

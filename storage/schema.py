@@ -99,10 +99,13 @@ metric_points = Table(
     Index("ix_metric_points_ingested_at", "ingested_at"),
 )
 
+# One row per closed window of a latency stream: an entry stream (peer_service empty) or the hop stream of
+# peer_service's CLIENT spans calling service's operation (docs/detection.md).
 latency_windows = Table(
     "latency_windows", metadata,
     Column("service", String(255), nullable=False),
     Column("operation", String(1024), nullable=False),
+    Column("peer_service", String(255), nullable=False, server_default=""),
     Column("start_ns", BigInteger, nullable=False),
     Column("end_ns", BigInteger, nullable=False),
     Column("count", Integer, nullable=False),
@@ -110,7 +113,7 @@ latency_windows = Table(
     Column("p95_ns", BigInteger, nullable=False),
     Column("p99_ns", BigInteger, nullable=False),
     Column("max_ns", BigInteger, nullable=False),
-    PrimaryKeyConstraint("service", "operation", "start_ns", name="pk_latency_windows"),
+    PrimaryKeyConstraint("service", "operation", "peer_service", "start_ns", name="pk_latency_windows"),
     # /api/v1/latency?service= without an operation: the primary key alone would read the service's whole history.
     Index("ix_latency_windows_service_start", "service", "start_ns"),
 )
@@ -127,8 +130,27 @@ spikes = Table(
     Column("baseline_p99_ns", BigInteger, nullable=False),
     Column("exemplar_trace_ids", Text, nullable=False),  # JSON list of hex ids
     Column("detected_ns", BigInteger),  # event time (watermark) at which the detector opened it
+    Column("peer_service", String(255)),  # set when a hop stream leads the spike: its caller
     Index("ix_spikes_start", "start_ns"),
     Index("ix_spikes_service_start", "service", "start_ns"),
+)
+
+# Every stream a spike moved (one incident, many streams), with its own numbers; rank 0 leads the spike.
+spike_streams = Table(
+    "spike_streams", metadata,
+    Column("spike_id", String(32), nullable=False),
+    Column("rank", SmallInteger, nullable=False),
+    Column("service", String(255), nullable=False),
+    Column("operation", String(1024), nullable=False),
+    Column("peer_service", String(255)),
+    Column("start_ns", BigInteger, nullable=False),
+    Column("last_anomalous_end_ns", BigInteger, nullable=False),
+    Column("p99_ns", BigInteger, nullable=False),
+    Column("baseline_p99_ns", BigInteger, nullable=False),
+    Column("evidence", Float, nullable=False),  # -log10 odds against normal
+    Column("slow_requests", Integer, nullable=False),
+    PrimaryKeyConstraint("spike_id", "rank", name="pk_spike_streams"),
+    Index("ix_spike_streams_service", "service"),  # /api/v1/spikes?service= finds the spikes that moved it
 )
 
 causes = Table(

@@ -4,13 +4,21 @@ Spans are written as blocks (one per export request) plus one trace-index row
 per (trace, block). A sender that retries after a lost answer stores its block
 again; readers serve each (trace_id, span_id) once. Samples are identified by
 (series, time) and stored once. Small lookup tables (operations, hosts,
-series) are cached so that the hot path only inserts what is new.
+series) are cached so that the hot path only inserts what is new; the caches
+are bounded in bytes (the oldest entries are forgotten first, which costs no
+more than a redundant upsert later).
+
+An operation's ``first_seen_at`` is refreshed when it is seen again an hour
+(``OPERATION_REFRESH_SECONDS``) or more after it was last recorded, so it says
+when the operation was last recorded, to the hour: retention deletes the
+operations whose spans stopped arriving (``storage/retention.py``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import sub
 from typing import Any
@@ -24,6 +32,9 @@ from spikehound.otlp import encode_spans
 from storage import schema
 
 HOST_TOUCH_INTERVAL_NS = 1_000_000_000  # hosts.last_seen_at is refreshed at most once a second
+OPERATION_REFRESH_SECONDS = 3600  # operations.first_seen_at is refreshed at most once an hour
+CACHE_ENTRY_BYTES = 200  # a cache entry's memory besides its strings: key tuple, value, dict slot
+CACHE_MAX_BYTES = {"operations": 32 * 2**20, "series": 16 * 2**20, "host_touched": 4 * 2**20}
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,11 +89,50 @@ def _json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
 
 
+class BoundedCache:
+    """A dict bounded by an estimate of its memory: strings of the key count by length; the oldest go first.
+
+    >>> cache = BoundedCache(max_bytes=2 * CACHE_ENTRY_BYTES + 10)
+    >>> cache.update({("svc", "a"): 1, ("svc", "b"): 2, ("svc", "c"): 3})
+    >>> list(cache.entries), cache.evicted
+    ([('svc', 'b'), ('svc', 'c')], 1)
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.evicted = 0
+        # Evicted from the front: an OrderedDict finds its first key at once where a plain dict scans.
+        self.entries: OrderedDict[Hashable, int] = OrderedDict()
+
+    def get(self, key: Hashable) -> int | None:
+        return self.entries.get(key)
+
+    def update(self, items: dict[Any, int]) -> None:
+        entries = self.entries
+        for key, value in items.items():
+            if key not in entries:
+                self.bytes += _entry_bytes(key)
+            entries[key] = value
+        while self.bytes > self.max_bytes and entries:
+            key, _ = entries.popitem(last=False)
+            self.bytes -= _entry_bytes(key)
+            self.evicted += 1
+
+
+def _entry_bytes(key: Any) -> int:
+    if isinstance(key, str):
+        return CACHE_ENTRY_BYTES + len(key)
+    return CACHE_ENTRY_BYTES + sum(len(part) for part in key if isinstance(part, str))
+
+
 @dataclass(slots=True)
 class _Caches:
-    operations: set[tuple[str, str]] = field(default_factory=set)
-    series: dict[tuple[str, str, str], int] = field(default_factory=dict)
-    host_touched: dict[str, int] = field(default_factory=dict)
+    """What one transaction adds to the writer's caches (merged into them once it committed)."""
+
+    operations: dict[tuple[str, str], int] = field(default_factory=dict)  # -> arrival second last recorded
+    series: dict[tuple[str, str, str], int] = field(default_factory=dict)  # -> metric_series.id
+    host_touched: dict[str, int] = field(default_factory=dict)  # -> arrival ns last recorded
 
 
 class Writer:
@@ -91,13 +141,15 @@ class Writer:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         dialect = engine.dialect.name
-        self._cache = _Caches()
+        self._cache = {name: BoundedCache(size) for name, size in CACHE_MAX_BYTES.items()}
         self._block = schema.span_blocks.insert().returning(schema.span_blocks.c.id)
         # One index row per (trace, block): plain DB-API executemany on tuples, no per-row Core processing.
         mark = "?" if dialect == "sqlite" else "%s"
         self._trace_block_sql = (f"INSERT INTO trace_blocks (trace_id, block_id) VALUES ({mark}, {mark}) "
                                  "ON CONFLICT DO NOTHING")
-        self._operations = upsert(engine, schema.operations).on_conflict_do_nothing()
+        operations = upsert(engine, schema.operations)
+        self._operations = operations.on_conflict_do_update(
+            index_elements=["service", "name"], set_={"first_seen_at": operations.excluded.first_seen_at})
         self._points = upsert(engine, schema.metric_points).on_conflict_do_nothing()
         self._series = upsert(engine, schema.metric_series).on_conflict_do_nothing()
         hosts = upsert(engine, schema.hosts)
@@ -105,13 +157,13 @@ class Writer:
                                                   set_={"last_seen_at": hosts.excluded.last_seen_at})
         windows = upsert(engine, schema.latency_windows)
         self._windows = windows.on_conflict_do_update(
-            index_elements=["service", "operation", "start_ns"],
+            index_elements=["service", "operation", "peer_service", "start_ns"],
             set_={c: windows.excluded[c] for c in ("end_ns", "count", "p50_ns", "p95_ns", "p99_ns", "max_ns")})
         spikes = upsert(engine, schema.spikes)
         self._spikes = spikes.on_conflict_do_update(
             index_elements=["id"],
-            set_={c: spikes.excluded[c] for c in ("state", "end_ns", "p99_ns", "baseline_p99_ns",
-                                                  "exemplar_trace_ids", "detected_ns")})
+            set_={c: spikes.excluded[c] for c in ("service", "operation", "peer_service", "state", "end_ns",
+                                                  "p99_ns", "baseline_p99_ns", "exemplar_trace_ids", "detected_ns")})
 
     def write(self, batch: WriteBatch, now_ns: int | None = None) -> None:
         """Commit the batch in one transaction, or raise and commit nothing."""
@@ -124,8 +176,9 @@ class Writer:
             if batch.points:
                 self._write_points(conn, batch.points, now_s, pending)
             hosts = {s.host for s in batch.spans if s.host} | {p.host for p in batch.points}
+            touched = self._cache["host_touched"]
             touch = [{"host": h, "last_seen_at": now_ns} for h in sorted(hosts)
-                     if now_ns - self._cache.host_touched.get(h, 0) >= HOST_TOUCH_INTERVAL_NS]
+                     if now_ns - (touched.get(h) or 0) >= HOST_TOUCH_INTERVAL_NS]
             if touch:
                 conn.execute(self._hosts, _fit_rows(schema.hosts, [dict(t) for t in touch]))
                 pending.host_touched.update((t["host"], now_ns) for t in touch)
@@ -135,20 +188,25 @@ class Writer:
             if batch.spikes:
                 self._write_spikes(conn, batch.spikes)
         # Only committed rows may enter the caches, or a rolled-back insert would be skipped forever.
-        self._cache.operations |= pending.operations
-        self._cache.series.update(pending.series)
-        self._cache.host_touched.update(pending.host_touched)
+        self._cache["operations"].update(pending.operations)
+        self._cache["series"].update(pending.series)
+        self._cache["host_touched"].update(pending.host_touched)
 
     def _write_spans(self, conn: Any, batch: WriteBatch, now_s: int, pending: _Caches) -> None:
-        cache = self._cache
-        new_operations: list[dict[str, Any]] = []
+        recorded, due = self._cache["operations"].get, now_s - OPERATION_REFRESH_SECONDS
+        fresh = pending.operations
         for s in batch.spans:
             op = (s.service, s.name)
-            if op not in cache.operations and op not in pending.operations:
-                pending.operations.add(op)
-                new_operations.append({"service": s.service, "name": s.name, "first_seen_at": now_s})
-        if new_operations:
-            conn.execute(self._operations, _fit_rows(schema.operations, new_operations))
+            last = recorded(op)
+            if (last is None or last <= due) and op not in fresh:
+                fresh[op] = now_s
+        if fresh:
+            rows = _fit_rows(schema.operations, [{"service": service, "name": name, "first_seen_at": now_s}
+                                                 for service, name in fresh])
+            # Names that differ only past the column's width are one row; sorted, so that collectors sharing
+            # a PostgreSQL lock the rows of one batch in the same order.
+            unique = {(r["service"], r["name"]): r for r in rows}
+            conn.execute(self._operations, [unique[k] for k in sorted(unique)])
         blocks = batch.blocks or [SpanBlock(encode_spans(batch.spans).SerializeToString(), batch.spans)]
         index_rows: list[tuple[bytes, int]] = []
         service_rows: list[dict[str, Any]] = []
@@ -168,7 +226,7 @@ class Writer:
         for p in points:
             attrs = _json(p.attributes)
             key = (p.host, p.name, attrs)
-            sid = self._cache.series.get(key) or pending.series.get(key)
+            sid = self._cache["series"].get(key) or pending.series.get(key)
             if sid is None:
                 sid = pending.series[key] = self._series_id(conn, p, attrs)
             rows.append({"series_id": sid, "t_ns": p.time_unix_nano, "value": p.value, "ingested_at": now_s})
@@ -188,10 +246,20 @@ class Writer:
             "start_ns": s.start_unix_nano, "end_ns": s.end_unix_nano, "p99_ns": s.p99_ns,
             "baseline_p99_ns": s.baseline_p99_ns,
             "exemplar_trace_ids": _json([t.hex() for t in s.exemplar_trace_ids]),
-            "detected_ns": s.detected_unix_nano,
+            "detected_ns": s.detected_unix_nano, "peer_service": s.peer_service,
         } for s in spikes]))
-        # Causes are re-ranked while a spike lasts: replace them as a whole.
-        conn.execute(schema.causes.delete().where(schema.causes.c.spike_id.in_([s.id for s in spikes])))
+        ids = [s.id for s in spikes]
+        # Streams join a spike and causes are re-ranked while it lasts: replace both as a whole.
+        conn.execute(schema.spike_streams.delete().where(schema.spike_streams.c.spike_id.in_(ids)))
+        stream_rows = [{
+            "spike_id": s.id, "rank": rank, "service": a.service, "operation": a.operation,
+            "peer_service": a.peer_service, "start_ns": a.start_unix_nano,
+            "last_anomalous_end_ns": a.last_anomalous_end_unix_nano, "p99_ns": a.p99_ns,
+            "baseline_p99_ns": a.baseline_p99_ns, "evidence": a.evidence, "slow_requests": a.slow_requests,
+        } for s in spikes for rank, a in enumerate(s.affected)]
+        if stream_rows:
+            conn.execute(schema.spike_streams.insert(), _fit_rows(schema.spike_streams, stream_rows))
+        conn.execute(schema.causes.delete().where(schema.causes.c.spike_id.in_(ids)))
         cause_rows = [{
             "spike_id": s.id, "rank": rank, "kind": str(c.kind), "service": c.service, "operation": c.operation,
             "peer_service": c.peer_service, "host": c.host, "resource": c.resource, "score": c.score,
@@ -207,7 +275,8 @@ def upsert(engine: Engine, table: Table) -> Any:
 
 
 def _window_row(w: LatencyWindow) -> dict[str, Any]:
-    return {"service": w.service, "operation": w.operation, "start_ns": w.start_unix_nano,
+    return {"service": w.service, "operation": w.operation, "peer_service": w.peer_service or "",
+            "start_ns": w.start_unix_nano,
             "end_ns": w.end_unix_nano, "count": w.count, "p50_ns": w.p50_ns, "p95_ns": w.p95_ns,
             "p99_ns": w.p99_ns, "max_ns": w.max_ns}
 

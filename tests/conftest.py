@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.daemons import CollectorThread, collector_config
 from tests.pgserver import PostgresServer, find_pg_bin
@@ -55,3 +56,12 @@ def collector(db_url: str) -> Iterator[CollectorThread]:
 def sqlite_collector(tmp_path: Path) -> Iterator[CollectorThread]:
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'spikehound.db'}")) as running:
         yield running
+
+
+# Hypothesis (tests/test_fuzz.py): derandomized in make test and CI, so a run is the same every time and a
+# failure reproduces; HYPOTHESIS_PROFILE=dev draws new inputs each run. Nothing is written to .hypothesis/.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.large_base_example])
+settings.register_profile("dev", parent=settings.get_profile("ci"), derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

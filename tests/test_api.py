@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from collector.alerts.api import add_alert_routes
 from collector.api import make_api
 from collector.web.routes import is_web_path
-from spikehound.model import Cause, CauseKind, Span, SpanKind, Spike, StatusCode
+from spikehound.model import AffectedStream, Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
 from storage.engine import make_engine
 from storage.migrate import upgrade
@@ -82,11 +82,17 @@ def test_spikes_are_served_in_the_brief_shape(tmp_path: Path):
         end_unix_nano=None, p99_ns=250_000_000, baseline_p99_ns=40_000_000, exemplar_trace_ids=(trace,),
         causes=(Cause(kind=CauseKind.NETWORK, score=0.8, summary="the gateway -> model-server hop added 170 ms",
                       service="model-server", operation="POST /infer", peer_service="gateway", baseline=2.0,
-                      observed=172.0, unit="ms"),))]))
+                      observed=172.0, unit="ms"),),
+        affected=(AffectedStream("gateway", "POST /v1/predict", None, 1_700_000_000 * 10**9,
+                                 1_700_000_010 * 10**9, 250_000_000, 40_000_000, 9.5, 12),
+                  AffectedStream("model-server", "POST /infer", "gateway", 1_700_000_000 * 10**9,
+                                 1_700_000_010 * 10**9, 251_000_000, 8_000_000, 7.25, 12)))]))
     engine.dispose()
     with CollectorThread(collector_config(url)) as c:
         spikes = requests.get(f"{c.api}/api/v1/spikes", timeout=5).json()["spikes"]
         one = requests.get(f"{c.api}/api/v1/spikes/sp1", timeout=5).json()
+        moved = requests.get(f"{c.api}/api/v1/spikes", params={"service": "model-server"}, timeout=5).json()
+        unmoved = requests.get(f"{c.api}/api/v1/spikes", params={"service": "postprocess"}, timeout=5).json()
     assert spikes == [one]
     assert one == {
         "id": "sp1", "service": "gateway", "operation": "POST /v1/predict", "state": "open",
@@ -94,7 +100,17 @@ def test_spikes_are_served_in_the_brief_shape(tmp_path: Path):
         "exemplar_trace_ids": [trace.hex()],
         "causes": [{"kind": "network", "service": "model-server", "operation": "POST /infer",
                     "peer_service": "gateway", "host": None, "resource": None, "score": 0.8, "baseline": 2.0,
-                    "observed": 172.0, "unit": "ms", "summary": "the gateway -> model-server hop added 170 ms"}]}
+                    "observed": 172.0, "unit": "ms", "summary": "the gateway -> model-server hop added 170 ms"}],
+        "peer_service": None,
+        "affected_streams": [
+            {"service": "gateway", "operation": "POST /v1/predict", "peer_service": None,
+             "start": "2023-11-14T22:13:20Z", "last_anomalous_end": "2023-11-14T22:13:30Z", "p99_ms": 250.0,
+             "baseline_p99_ms": 40.0, "evidence": 9.5, "slow_requests": 12},
+            {"service": "model-server", "operation": "POST /infer", "peer_service": "gateway",
+             "start": "2023-11-14T22:13:20Z", "last_anomalous_end": "2023-11-14T22:13:30Z", "p99_ms": 251.0,
+             "baseline_p99_ms": 8.0, "evidence": 7.25, "slow_requests": 12}]}
+    # A service is found by the streams the spike moved, not only by the one that leads it.
+    assert [s["id"] for s in moved["spikes"]] == ["sp1"] and unmoved["spikes"] == []
 
 
 def test_tokens_guard_api_and_otlp(tmp_path: Path):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from detectors.trace_buffer import TraceBuffer
 from detectors.windows import LatencyWindows, nearest_rank
 from spikehound.model import LatencyWindow, Span, SpanKind, StatusCode
 
@@ -77,21 +78,105 @@ def test_nearest_rank_returns_observed_values():
         nearest_rank([], 0.5)
 
 
-def test_only_entry_spans_count():
-    lw = LatencyWindows()
+def test_entry_spans_and_client_spans_count_inner_work_does_not():
     parent = b"\x00" * 7 + b"\x01"
-    lw.add([
+    spans = [
         make_span(1 * S, 10 * MS, kind=SpanKind.SERVER, parent=parent),  # remote entry: counts
         make_span(1 * S, 20 * MS, kind=SpanKind.INTERNAL, parent=None, name="batch-job"),  # root: counts
-        make_span(1 * S, 30 * MS, kind=SpanKind.CLIENT, parent=parent),  # outgoing call: ignored
+        make_span(1 * S, 30 * MS, kind=SpanKind.CLIENT, parent=parent, name="SELECT x"),  # a hop of its caller
         make_span(1 * S, 40 * MS, kind=SpanKind.INTERNAL, parent=parent),  # inner work: ignored
-    ])
-    out = lw.flush()
-    assert [(w.operation, w.count, w.max_ns) for w in out] == [
-        ("POST /predict", 1, 10 * MS),
-        ("batch-job", 1, 20 * MS),
     ]
-    assert sum(w.count for w in out) == 2
+    lw = LatencyWindows()
+    lw.add(spans)
+    out = lw.flush()
+    # Nobody answered the CLIENT span: a window later (its callee's spans might have been on their way) its
+    # hop is named by what it says it called (nothing here).
+    assert [(w.start_unix_nano, w.peer_service, w.service, w.operation, w.count, w.max_ns) for w in out] == [
+        (0, None, "gateway", "POST /predict", 1, 10 * MS),
+        (0, None, "gateway", "batch-job", 1, 20 * MS),
+        (10 * S, "gateway", "(uninstrumented)", "SELECT x", 1, 30 * MS),
+    ]
+    without_hops = LatencyWindows(hops=False)
+    without_hops.add(spans)
+    assert [(w.operation, w.count) for w in without_hops.flush()] == [("POST /predict", 1), ("batch-job", 1)]
+
+
+def _call(trace: int, caller: str, callee: str, operation: str, end_ns: int, client_ms: int, server_ms: int,
+          client_name: str = "HTTP GET", attributes: dict | None = None) -> tuple[Span, Span]:
+    """A CLIENT span of ``caller`` and the SERVER span of ``callee`` that answered it."""
+    client = make_span(end_ns, client_ms * MS, service=caller, name=client_name, kind=SpanKind.CLIENT,
+                       parent=b"\x09" * 8)
+    client.trace_id = trace.to_bytes(16, "big")
+    client.attributes.update(attributes or {})
+    server = make_span(end_ns - MS, server_ms * MS, service=callee, name=operation, parent=client.span_id)
+    server.trace_id = client.trace_id
+    return client, server
+
+
+@pytest.mark.parametrize("server_first", [True, False])
+def test_a_client_span_is_a_hop_named_by_the_server_that_answered_it_in_either_order(server_first):
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    calls = [_call(i, "preserve", "ts-order", "GET /orders/{id}", 3 * S + i * MS, 200 + i, 5) for i in range(3)]
+    for client, server in calls:
+        lw.add([server, client] if server_first else [client, server])
+    out = lw.flush()
+    hops = [w for w in out if w.peer_service is not None]
+    assert [(w.peer_service, w.service, w.operation, w.count, w.max_ns) for w in hops] == [
+        ("preserve", "ts-order", "GET /orders/{id}", 3, 202 * MS)]
+    # The callee's own SERVER spans are its entry stream: the time in front of it is not in them.
+    assert [(w.service, w.max_ns) for w in out if w.peer_service is None] == [("ts-order", 5 * MS)]
+
+
+def test_a_hop_nobody_answered_is_named_by_the_client_spans_peer_attributes():
+    lw = LatencyWindows()
+    client = make_span(3 * S, 9 * MS, service="api", name="GET", kind=SpanKind.CLIENT, parent=b"\x01" * 8)
+    client.attributes.update({"server.address": "payments.internal"})
+    lw.add([client])
+    (w,) = lw.flush()
+    assert (w.peer_service, w.service, w.operation) == ("api", "payments.internal", "GET")
+
+
+def test_a_callee_whose_spans_come_a_window_late_still_names_the_hop():
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    client, server = _call(1, "gateway", "preprocess", "POST /preprocess", 3 * S, 9, 7)
+    lw.add([client])
+    lw.add([make_span(16 * S, MS, name="tick")])  # the caller's next spans close its window: no callee yet
+    assert lw.close() == []  # the hop waits for its second chance
+    lw.add([server])  # the callee's exporter sends on its own, slower schedule
+    lw.add([make_span(26 * S, MS, name="tick")])
+    hops = [w for w in lw.close() if w.peer_service is not None]
+    assert [(w.peer_service, w.service, w.operation, w.max_ns) for w in hops] == [
+        ("gateway", "preprocess", "POST /preprocess", 9 * MS)]
+
+
+def test_a_trace_counts_once_per_stream_and_window_with_its_slowest_call():
+    lw = LatencyWindows()
+    spans = []
+    for i, ms in enumerate((10, 40, 20)):  # one trace calls the same edge three times in a loop
+        client, server = _call(7, "seat", "ts-order", "POST /tickets", 3 * S + i * 100 * MS, ms, 1)
+        spans += [client, server]
+    lw.add(spans)
+    hop = next(w for w in lw.flush() if w.peer_service == "seat")
+    assert (hop.count, hop.max_ns) == (1, 40 * MS)
+
+
+def test_a_generic_entry_is_split_by_its_route_attribute_or_by_where_it_goes():
+    routes = {b"\x01": ["ts-travel POST /trips/left"], b"\x02": ["ts-order POST /refresh"], b"\x03": []}
+    lw = LatencyWindows(route_of=lambda trace_id, span_id: routes[trace_id[-1:]])
+    spans = []
+    for i, route in enumerate((None, None, None, "/api/v1/users/login")):
+        root = make_span(3 * S + i * MS, 100 * MS, name="HTTP POST")
+        root.trace_id = bytes(15) + bytes([i + 1 if route is None else 9])
+        if route:
+            root.attributes["http.route"] = route
+        spans.append(root)
+    lw.add(spans)
+    assert [(w.start_unix_nano, w.operation) for w in lw.flush()] == [
+        (0, "HTTP POST -> ts-order POST /refresh"),
+        (0, "HTTP POST -> ts-travel POST /trips/left"),
+        (0, "HTTP POST /api/v1/users/login"),
+        (10 * S, "HTTP POST"),  # its calls were never seen (a window later either): nothing to split by
+    ]
 
 
 def test_windows_are_cut_by_end_time_and_aligned_to_the_epoch():
@@ -251,3 +336,21 @@ def test_streams_that_only_overflowed_get_in_once_the_old_ones_go_quiet():
         lw.close()
     assert lw.streams == 1 and lw.overflow_spans < 10
     assert [w.operation for w in lw.flush()][-1] == "c"
+
+
+def test_a_generic_entry_without_a_route_is_split_by_the_operations_its_calls_reached():
+    buffer = TraceBuffer()
+    lw = LatencyWindows(route_of=buffer.callees_of)
+    spans = []
+    for trace, backend in ((1, "POST /trips/left"), (2, "GET /orders"), (3, "POST /trips/left")):
+        root = make_span(3 * S + trace * MS, 90 * MS, name="/*")
+        handler = make_span(3 * S, 80 * MS, name="route", kind=SpanKind.INTERNAL, parent=root.span_id)
+        call = make_span(3 * S, 70 * MS, name="HTTP POST", kind=SpanKind.CLIENT, parent=handler.span_id)
+        answer = make_span(3 * S, 60 * MS, service="ts-backend", name=backend, parent=call.span_id)
+        for span in (root, handler, call, answer):
+            span.trace_id = trace.to_bytes(16, "big")
+        spans += [root, handler, call, answer]
+    buffer.add(spans)  # the engine buffers a trace before its windows close
+    lw.add(spans)
+    entries = [(w.operation, w.count) for w in lw.flush() if w.peer_service is None and w.service == "gateway"]
+    assert entries == [("/* -> ts-backend GET /orders", 1), ("/* -> ts-backend POST /trips/left", 2)]

@@ -20,7 +20,7 @@ from aiohttp import web
 from collector.alerts.alerting import Alerting
 from collector.alerts.silences import FIELDS, Silence
 from collector.api import ApiError, _json, _limit, whole_number
-from collector.openapi import TIME, _nullable, _obj, _query
+from collector.openapi import TIME, _limit_param, _nullable, _obj, _query, _whole
 from spikehound.timefmt import rfc3339
 from storage.alerts import OutboxRow
 
@@ -156,12 +156,12 @@ OPENAPI_SCHEMAS: dict[str, Any] = {
 _NOT_FOUND = {"404": {"$ref": "#/components/responses/NotFound"}}
 _BAD = {"400": {"$ref": "#/components/responses/BadRequest"}}
 _SILENCE_ID = [{"name": "silence_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-_ROW_ID = [{"name": "row_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
+_ROW_ID = [{"name": "row_id", "in": "path", "required": True, "schema": _whole(1, INT64_MAX)}]
 
 OPENAPI_PATHS: dict[str, Any] = {
     "/api/v1/silences": {
         "get": {"summary": "Silences not yet expired (state=all: also the expired ones)",
-                "parameters": [_query("state", "active (default) or all")],
+                "parameters": [_query("state", "active (default) or all", schema={"enum": ["active", "all"]})],
                 "responses": {"200": {"description": "silences, newest first", **_body("Silences")}, **_BAD}},
         "post": {"summary": "Silence alerts whose spike matches, until ends_at",
                  "requestBody": {"required": True, **_body("NewSilence")},
@@ -173,13 +173,14 @@ OPENAPI_PATHS: dict[str, Any] = {
                    "responses": {"200": {"description": "the expired silence", **_body("Silence")}, **_NOT_FOUND}}},
     "/api/v1/alerts/outbox": {"get": {
         "summary": "Notifications, newest first; state=dead lists the dead letters",
-        "parameters": [_query("state", "pending, delivered or dead"), _query("limit", "most (default 100)")],
+        "parameters": [_query("state", "pending, delivered or dead", schema={"enum": ["pending", "delivered", "dead"]}),
+                       _limit_param("most (default 100)", 1000)],
         "responses": {"200": {"description": "notifications", **_body("Notifications")}, **_BAD}}},
     "/api/v1/alerts/outbox/{row_id}": {"get": {
         "summary": "One notification with the body it sends", "parameters": _ROW_ID,
-        "responses": {"200": {"description": "the notification", **_body("Notification")}, **_NOT_FOUND}}},
+        "responses": {"200": {"description": "the notification", **_body("Notification")}, **_BAD, **_NOT_FOUND}}},
     "/api/v1/alerts/outbox/{row_id}/retry": {"post": {
         "summary": "Send a dead-lettered notification again", "parameters": _ROW_ID,
-        "responses": {"200": {"description": "queued again", **_body("Notification")}, **_NOT_FOUND,
-                      "409": {"description": "not a dead letter"}}}},
+        "responses": {"200": {"description": "queued again", **_body("Notification")}, **_BAD, **_NOT_FOUND,
+                      "409": {"description": "not a dead letter", **_body("Error")}}}},
 }

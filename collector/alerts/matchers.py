@@ -1,4 +1,8 @@
-"""Which spikes a route or a silence covers: shell-style patterns on the stream and on its causes.
+"""Which spikes a route or a silence covers: shell-style patterns on the streams and on the causes.
+
+A service pattern matches the spike's leading stream or any stream the spike moved (its
+``affected_streams``): a route for ``model-*`` takes the spike led by the gateway route whose calls into the
+model server slowed.
 
 Patterns are ``fnmatch`` globs, case-sensitive (``model-*``, ``POST /v1/*``);
 a plain name matches only itself. Every non-empty field must match. The cause
@@ -28,6 +32,11 @@ def _any(value: str | None, patterns: tuple[str, ...]) -> bool:
     return value is not None and any(fnmatchcase(value, p) for p in patterns)
 
 
+def _services(doc: dict[str, Any]) -> list[str]:
+    """The services of the spike's streams: its leader's, then those of the streams it moved."""
+    return [doc["service"], *(a["service"] for a in doc.get("affected_streams", ()))]
+
+
 @dataclass(frozen=True, slots=True)
 class SpikeMatcher:
     """Patterns on a spike (in its API form: ``service``, ``operation``, ``causes``)."""
@@ -44,7 +53,9 @@ class SpikeMatcher:
         return bool(self.cause_kinds or self.cause_services or self.cause_resources or self.min_cause_score > 0)
 
     def matches(self, doc: dict[str, Any]) -> bool:
-        if self.services and not _any(doc["service"], self.services):
+        # A service matches the stream that leads the spike or any stream it moved (a route whose calls
+        # into the service slowed is about that service too).
+        if self.services and not any(_any(s, self.services) for s in _services(doc)):
             return False
         if self.operations and not _any(doc["operation"], self.operations):
             return False

@@ -105,7 +105,32 @@ class Notification:
         return tuple(a for a in self.alerts if a.status == "firing")
 
 
+def stream_label(stream: dict[str, Any]) -> str:
+    """A stream of the API's Spike or AffectedStream in words: ``service operation``, a hop as
+    ``caller -> callee operation``."""
+    what = f"{stream['service']} {stream['operation']}"
+    return f"{stream['peer_service']} -> {what}" if stream.get("peer_service") else what
+
+
+def affected_summary(doc: dict[str, Any], shown: int = 3) -> str | None:
+    """The other streams the spike moved, in one line (None when it moved only its own).
+
+    >>> affected_summary({"affected_streams": [
+    ...     {"service": "gw", "operation": "GET /a", "peer_service": None, "p99_ms": 900.0, "baseline_p99_ms": 300.0},
+    ...     {"service": "db", "operation": "SELECT", "peer_service": "api", "p99_ms": 2100.0, "baseline_p99_ms": 9.0}]})
+    'It also moved 1 stream: api -> db SELECT (p99 2100.0 ms against 9.0 ms).'
+    """
+    others = doc.get("affected_streams", [])[1:]
+    if not others:
+        return None
+    parts = [f"{stream_label(a)} (p99 {a['p99_ms']:.1f} ms against {a['baseline_p99_ms']:.1f} ms)"
+             for a in others[:shown]]
+    more = f" and {len(others) - shown} more" if len(others) > shown else ""
+    noun = "stream" if len(others) == 1 else "streams"
+    return f"It also moved {len(others)} {noun}: {'; '.join(parts)}{more}."
+
+
 def describe(doc: dict[str, Any]) -> str:
     """One line: the stream, its p99 against the baseline."""
-    return (f"p99 of {doc['service']} {doc['operation']} is {doc['p99_ms']:.1f} ms against a baseline of "
+    return (f"p99 of {stream_label(doc)} is {doc['p99_ms']:.1f} ms against a baseline of "
             f"{doc['baseline_p99_ms']:.1f} ms ({ratio(doc):.1f}x)")

@@ -55,6 +55,7 @@ from collector.alerts.notification import (
     NO_CAUSE,
     AlertItem,
     Notification,
+    affected_summary,
     alert_labels,
     cause_label,
     describe,
@@ -407,6 +408,9 @@ class Router:
                        "ratio": f"{ratio(doc):.2f}", "spike_url": spike_url}
         if trace_url:
             annotations["trace_url"] = trace_url
+        also = affected_summary(doc)
+        if also:
+            annotations["affected_streams"] = also
         public = {k: v for k, v in doc.items() if not k.endswith("_ns")}
         public.update(url=spike_url, ratio=round(ratio(doc), 3), trace_url=trace_url)
         return AlertItem(fingerprint=a.fingerprint, status=status, labels=a.labels, annotations=annotations,

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from collector.alerts.notification import NO_CAUSE, AlertItem, Notification
+from collector.alerts.notification import NO_CAUSE, AlertItem, Notification, affected_summary
 
 MAX_BLOCKS = 50
 SECTION_TEXT_MAX = 3000
@@ -67,7 +67,8 @@ def _alert_blocks(item: AlertItem, number: int) -> list[dict[str, Any]]:
     s = item.spike
     state = (f"since {_when(item.starts_at_ns)}" if item.status == "firing"
              else f"from {_when(item.starts_at_ns)} to {_when(item.ends_at_ns)}")
-    head = (f"*{escape(s['service'])}* `{escape(s['operation'])}`\n"
+    caller = f"{escape(s['peer_service'])} -> " if s.get("peer_service") else ""
+    head = (f"{caller}*{escape(s['service'])}* `{escape(s['operation'])}`\n"
             f"p99 *{s['p99_ms']:.1f} ms* against a baseline of *{s['baseline_p99_ms']:.1f} ms* "
             f"(*{s['ratio']:.1f}x*), {state}" + (" — *resolved*" if item.status == "resolved" else ""))
     buttons = []
@@ -81,6 +82,10 @@ def _alert_blocks(item: AlertItem, number: int) -> list[dict[str, Any]]:
         {"type": "section", "text": {"type": "mrkdwn", "text": clip(head, SECTION_TEXT_MAX)}},
         {"type": "section", "text": {"type": "mrkdwn", "text": _cause_lines(item)}},
     ]
+    also = affected_summary(s)
+    if also:
+        blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": clip(escape(also),
+                                                                                       SECTION_TEXT_MAX)}]})
     if buttons:
         blocks.append({"type": "actions", "elements": buttons})
     blocks.append({"type": "divider"})

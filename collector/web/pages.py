@@ -301,7 +301,7 @@ class WebPages:
         r = self.reader
         start = spike.start_unix_nano
         history = r.latency(spike.service, spike.operation, start - BAND_LOOKBACK_NS,
-                            max(spike.end_unix_nano or 0, start) + 24 * 3600 * NS, 100_000)
+                            max(spike.end_unix_nano or 0, start) + 24 * 3600 * NS, 100_000, spike.peer_service)
         end = spike.end_unix_nano
         if end is None:  # open: up to the newest window of the stream
             end = max((w.end_unix_nano for w in history), default=start + 10 * NS)

@@ -2,11 +2,11 @@
 
 A spike's top cause *names* a fault when it is the component the fault was
 injected into: the span that was made slow (or, where all of its work
-slowed, its service), or the network hop that was delayed. A resource cause
-is evidence joined just ahead of the component it explains ("X rose on host
-H, which served the slow <component>"), so a resource cause on top names the
-fault when the resource is the fault itself (the GPU's clock throttling; the
-CPU for CPU-bound work) or when the component right below it does.
+slowed, its service), or the network hop that was delayed. The top line is
+judged by itself: a resource cause on top names the fault only when the
+resource is the fault (the GPU's clock throttling; the CPU for CPU-bound
+work), never because the component it was joined to would have (CPU steal
+rising on the host of a delayed hop explains nothing about the hop).
 
 >>> cpu = FAULTS["cpu"]
 >>> cpu.matches({"kind": "span", "service": "preprocess", "operation": "resize"})
@@ -20,7 +20,7 @@ True
 >>> steal = {"kind": "resource", "service": "model-server", "operation": "POST /infer",
 ...          "resource": "system.cpu.utilization"}
 >>> hop = {"kind": "network", "service": "model-server", "operation": "POST /infer", "peer_service": "gateway"}
->>> FAULTS["network"].named_by([steal, hop]), FAULTS["network"].named_by([steal, {**hop, "kind": "span"}])
+>>> FAULTS["network"].named_by([hop, steal]), FAULTS["network"].named_by([steal, hop])
 (True, False)
 """
 
@@ -66,13 +66,8 @@ class Fault:
         return False
 
     def named_by(self, causes: list[dict[str, Any]]) -> bool:
-        """Does the first of ``causes`` name this fault (a resource cause: or the component it explains)?"""
-        if not causes:
-            return False
-        if self.matches(causes[0]):
-            return True
-        explained = component_of(causes)
-        return causes[0].get("kind") == "resource" and explained is not None and self.matches(explained)
+        """Does the first of ``causes``, itself, name this fault?"""
+        return bool(causes) and self.matches(causes[0])
 
 
 def component_of(causes: list[dict[str, Any]]) -> dict[str, Any] | None:

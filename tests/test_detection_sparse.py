@@ -1,0 +1,65 @@
+"""Sparse microservice traffic through a running collector: a delayed edge is one spike naming the hop, and
+calm, lumpy traffic with lone stalls is no spike at all.
+
+The traffic is the mesh generator's (benchmarks/mesh_traffic.py): about 45 user requests a minute through one
+gateway with a generic entry name and ~40 services, many of them called a few times a minute, sent as real
+OTLP/HTTP requests.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from benchmarks.mesh_traffic import MeshFault, MeshTimeline, reach
+from tests.daemons import CollectorThread, collector_config
+from tests.scenario_io import scenario_requests, send
+
+pytestmark = pytest.mark.slow
+
+NS = 1_000_000_000
+TARGET = "ts-assurance-service"  # reached by about one user request in eleven: a few calls a minute
+
+
+def _spikes(timeline: MeshTimeline, tmp_path: Path, timeout: float = 60) -> list[dict[str, Any]]:
+    """Send the timeline; the spikes once the collector has closed every window (the count stopped moving)."""
+    with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}")) as collector:
+        send(collector.http_endpoint, scenario_requests(timeline))
+        deadline = time.monotonic() + timeout
+        last, since = -1.0, time.monotonic()
+        while time.monotonic() < deadline:
+            closed = collector.metric("spikehound_latency_windows_closed_total")
+            if closed != last:
+                last, since = closed, time.monotonic()
+            elif time.monotonic() - since > 3 and closed > 0:
+                return requests.get(f"{collector.api}/api/v1/spikes", timeout=10).json()["spikes"]
+            time.sleep(0.25)
+    raise AssertionError("the collector kept closing windows")
+
+
+def test_a_delay_in_front_of_a_sparse_service_is_one_spike_naming_the_hop_into_it(tmp_path: Path):
+    assert 0.05 < reach()[TARGET] < 0.15
+    onset = 22 * 60.0
+    fault = MeshFault("delay", TARGET, onset_s=onset, duration_s=210.0, size_ms=1500.0)
+    timeline = MeshTimeline(seed=41, hours=0.5, faults=[fault])
+    spikes = _spikes(timeline, tmp_path)
+
+    assert len(spikes) == 1, [(s["service"], s["operation"], s["start"]) for s in spikes]
+    (spike,) = spikes
+    top = spike["causes"][0]
+    # The time was added in front of the service: the hop into it, not the callers that waited, nor the
+    # service's own spans (which did not grow).
+    assert (top["kind"], top["service"]) == ("network", TARGET), top
+    moved = spike["affected_streams"]
+    assert any(a["service"] == TARGET and a["peer_service"] for a in moved), moved
+    assert spike["state"] == "resolved"
+
+
+def test_calm_lumpy_traffic_with_lone_stalls_and_pauses_opens_no_spike(tmp_path: Path):
+    # Four times the usual share of lone multi-second stalls, service pauses, a generic "/*" entry name.
+    timeline = MeshTimeline(seed=42, hours=0.5, faults=[], stall_rate=1 / 100, generic_name="/*")
+    assert _spikes(timeline, tmp_path) == []

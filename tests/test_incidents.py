@@ -1,0 +1,202 @@
+"""Incidents: one spike per fault however many streams it moves; evidence combined, counted once, corrected.
+
+The rules on their own (detectors/incidents.py), then the whole engine on generated microservice traces:
+a delay in front of a sparse service, a stall, a pause, two faults at once.
+"""
+
+from __future__ import annotations
+
+import random
+
+from detectors.engine import DetectionEngine
+from detectors.incidents import Group, IncidentBook, _onset
+from detectors.sequential import SequentialEvidence, SlowRequest
+from detectors.settings import DetectionSettings
+from detectors.stream_judge import Judgement
+from detectors.streams import StreamKey
+from spikehound.model import Span, SpanKind, StatusCode
+
+NS = 1_000_000_000
+MS = 1_000_000
+T0 = 1_767_225_600 * NS
+
+
+# --- the rules --------------------------------------------------------------------------------------------
+
+def _judgement(stream: StreamKey, root: bool = False, evidence: float = 0.0) -> Judgement:
+    return Judgement(stream=stream, root=root, window_start_ns=T0, window_end_ns=T0 + 10 * NS, count=0, p99_ns=0,
+                     baseline_ns=10 * MS, score=0.0, dense=False, elevated=False, evidence=evidence, samples=[],
+                     judged=[], onset_ns=T0, hot=True)
+
+
+def _group(locus: str, slow: dict[StreamKey, list[tuple[int, float, float]]], roots: set[StreamKey] = frozenset()
+           ) -> tuple[Group, dict[StreamKey, SequentialEvidence]]:
+    """A group whose streams saw ``slow`` requests: (trace, gain, end second) each."""
+    group, evidence = Group(locus), {}
+    for stream, requests in slow.items():
+        e = evidence[stream] = SequentialEvidence()
+        j = _judgement(stream, stream in roots, sum(g for _, g, _ in requests))
+        for trace, gain, end_s in requests:
+            e.slow.append(SlowRequest(trace.to_bytes(16, "big"), b"s" * 8, 2 * NS, T0 + int(end_s * NS), T0, gain))
+            group.add(j, trace.to_bytes(16, "big"), gain, T0 + int(end_s * NS))
+    return group, evidence
+
+
+ROUTE = StreamKey("gateway", "HTTP POST /api/v1/preserve")
+HOP = StreamKey("ts-order", "GET /orders/{id}", "ts-preserve")
+ENTRY = StreamKey("ts-order", "GET /orders/{id}")
+
+
+def test_two_slow_requests_far_over_normal_open_a_spike_and_one_does_not():
+    book = IncidentBook(DetectionSettings())
+    one, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0)]})
+    assert book.step([one], evidence.get, streams=10, now_ns=T0 + 40 * NS) == []
+    two, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})
+    (event,) = book.step([two], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    assert event.kind == "opened" and event.incident.lead == HOP and event.incident.evidence == 6.2
+
+
+def test_a_slow_request_counts_once_however_many_streams_it_slowed():
+    book = IncidentBook(DetectionSettings())
+    # The same two traces slowed the route, the hop into the service and the service's own stream: still
+    # only two slow requests, 6.2 of evidence, not 18.6.
+    group, evidence = _group("ts-order", {s: [(1, 3.1, 30.0), (2, 3.1, 45.0)] for s in (ROUTE, HOP, ENTRY)},
+                             roots={ROUTE})
+    (event,) = book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    assert event.incident.evidence == 6.2
+    # The most user-facing stream leads; the others are affected streams with their own numbers.
+    assert event.incident.lead == ROUTE and set(event.incident.members) == {ROUTE, HOP, ENTRY}
+
+
+def test_weak_streams_add_up_to_one_strong_spike():
+    book = IncidentBook(DetectionSettings())
+    streams = [StreamKey("ts-food", f"GET /op{i}") for i in range(5)]
+    # Each stream alone: one slow request, under the bar. Five of them, five different traces: a spike.
+    for stream in streams:
+        alone, evidence = _group("ts-food", {stream: [(streams.index(stream), 1.3, 10.0 * streams.index(stream))]})
+        assert IncidentBook(DetectionSettings()).step([alone], evidence.get, 10, T0 + 60 * NS) == []
+    together, evidence = _group("ts-food", {s: [(i, 1.3, 10.0 * i)] for i, s in enumerate(streams)})
+    (event,) = book.step([together], evidence.get, streams=10, now_ns=T0 + 60 * NS)
+    assert event.kind == "opened" and len(event.incident.members) == 5
+
+
+def test_the_bar_rises_with_the_number_of_streams_judged():
+    group, evidence = _group("ts-order", {HOP: [(1, 2.4, 30.0), (2, 2.4, 45.0)]})  # 4.8 of evidence
+    assert IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 50 * NS)
+    group, evidence = _group("ts-order", {HOP: [(1, 2.4, 30.0), (2, 2.4, 45.0)]})
+    # Judging 100 streams, ten times the chances: the same evidence must be ten times as unlikely.
+    assert IncidentBook(DetectionSettings()).step([group], evidence.get, 100, T0 + 50 * NS) == []
+
+
+def test_slow_requests_that_all_ended_at_once_are_one_stall_not_a_spike():
+    book = IncidentBook(DetectionSettings())
+    # A pause of a couple of seconds releases every request it held at once.
+    group, evidence = _group("ts-order", {HOP: [(i, 3.1, 30.0 + 0.1 * i) for i in range(6)]})
+    assert book.step([group], evidence.get, streams=10, now_ns=T0 + 40 * NS) == []
+
+
+def test_a_group_with_the_locus_of_an_open_incident_extends_it():
+    book = IncidentBook(DetectionSettings())
+    group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})
+    (opened,) = book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    later, more = _group("ts-order", {ROUTE: [(3, 3.1, 55.0)]}, roots={ROUTE})
+    (updated,) = book.step([later], more.get, streams=10, now_ns=T0 + 60 * NS)
+    assert updated.kind == "updated" and updated.incident is opened.incident
+    # It joins as an affected stream; the leader and the id the alerts carry stay.
+    assert opened.incident.lead == HOP and ROUTE in opened.incident.members and book.open_count == 1
+
+
+def test_the_onset_is_where_slow_requests_began_to_come_not_a_stray_one_before():
+    window = 10 * NS
+    # A run every few seconds, a stray stall half a minute before it: the run's start.
+    run = [T0 + (95 + 2 * k) * NS for k in range(6)]
+    assert _onset([T0 + 68 * NS, *run], window) == T0 + 90 * NS
+    # A sparse run every twenty seconds, a stray two minutes before it: still the run's start ...
+    sparse = [T0 + (200 + 20 * k) * NS for k in range(4)]
+    assert _onset([T0 + 75 * NS, *sparse], window) == T0 + 200 * NS
+    # ... but one that comes at the run's own pace is part of it.
+    assert _onset([T0 + 175 * NS, *sparse], window) == T0 + 170 * NS
+    assert _onset([T0 + 95 * NS, T0 + 107 * NS], window) == T0 + 90 * NS
+
+
+# --- the engine on microservice traces -------------------------------------------------------------------
+
+class _Mesh:
+    """A gateway calling a few services; each call is a CLIENT span and the callee's SERVER span."""
+
+    ROUTES = {"POST /book": ["ts-order", "ts-pay"], "GET /search": ["ts-travel"], "GET /orders": ["ts-order"]}
+
+    def __init__(self, seed: int = 1) -> None:
+        self.rng = random.Random(seed)
+        self.next_id = 1
+
+    def _span(self, trace: bytes, parent: bytes | None, service: str, name: str, kind: SpanKind, start: int,
+              end: int) -> Span:
+        self.next_id += 1
+        return Span(trace_id=trace, span_id=self.next_id.to_bytes(8, "big"), parent_span_id=parent,
+                    service=service, host=f"node-{service}", name=name, kind=kind, start_unix_nano=start,
+                    end_unix_nano=end, status=StatusCode.UNSET, attributes={})
+
+    def request(self, start: int, route: str, delay_into: dict[str, int] | None = None,
+                stall: int = 0) -> list[Span]:
+        """One user request; ``delay_into`` adds ns in front of a service (its callers' CLIENT spans only)."""
+        rng, delay_into = self.rng, delay_into or {}
+        trace = rng.getrandbits(128).to_bytes(16, "big")
+        root = self._span(trace, None, "gateway", f"HTTP {route.split()[0]}", SpanKind.SERVER, start, 0)
+        root.attributes["http.route"] = route.split()[1]
+        spans, t = [root], start + MS
+        for callee in self.ROUTES[route]:
+            client = self._span(trace, root.span_id, "gateway", "HTTP GET", SpanKind.CLIENT, t, 0)
+            work = int(rng.lognormvariate(3.0, 0.3) * MS) + stall
+            server = self._span(trace, client.span_id, callee, f"GET /{callee}", SpanKind.SERVER, t + MS,
+                                t + MS + work)
+            client.end_unix_nano = server.end_unix_nano + MS + delay_into.get(callee, 0)
+            spans += [client, server]
+            t, stall = client.end_unix_nano + MS, 0
+        root.end_unix_nano = t + MS
+        return spans
+
+
+def _run(minutes: int, per_minute: float, fault: tuple[int, int, str, int] | None = None,
+         stall_at: tuple[int, ...] = (), pause_at: int | None = None) -> dict[str, object]:
+    """Minutes of traffic second by second through one engine; ``fault`` = (from s, to s, service, ns)."""
+    mesh, engine, spikes = _Mesh(), DetectionEngine(DetectionSettings()), {}
+    rng = random.Random(7)
+    for second in range(minutes * 60):
+        spans: list[Span] = []
+        arrivals = [rng.random() for _ in range(10) if rng.random() < per_minute / 600]
+        if pause_at is not None and pause_at <= second < pause_at + 2:
+            arrivals += [0.1 * i for i in range(4)]
+        for offset in arrivals:
+            start = T0 + second * NS + int(offset * NS)
+            route = rng.choice(list(_Mesh.ROUTES))
+            delay = {fault[2]: fault[3]} if fault and fault[0] <= second < fault[1] else None
+            stall = 3 * NS if second in stall_at else 0
+            if pause_at is not None and pause_at <= second < pause_at + 2:
+                stall = T0 + (pause_at + 2) * NS - start  # everyone in the paused service waits until it resumes
+            spans += mesh.request(start, route, delay, stall)
+        engine.add(spans)
+        spikes.update((s.id, s) for s in engine.advance().spikes)
+    spikes.update((s.id, s) for s in engine.flush().spikes)
+    return spikes
+
+
+def test_a_delay_in_front_of_a_sparse_service_opens_one_spike_naming_the_hop_into_it():
+    # ts-pay is called by one route of three, a few times a minute; from minute 20 every call into it waits
+    # 1.5 s in front of it (its own SERVER spans do not grow).
+    onset, end = 20 * 60, 24 * 60
+    spikes = _run(26, per_minute=9, fault=(onset, end, "ts-pay", 1_500 * MS))
+    assert len(spikes) == 1, [(s.service, s.operation) for s in spikes.values()]
+    (spike,) = spikes.values()
+    top = spike.causes[0]
+    assert (top.kind.value, top.service, top.peer_service) == ("network", "ts-pay", "gateway")
+    assert 0 <= (spike.detected_unix_nano - (T0 + onset * NS)) / NS <= 120
+    assert T0 + (onset - 10) * NS <= spike.start_unix_nano <= T0 + (onset + 60) * NS
+    # It was found on the route that reaches it and on the hop into it: one spike, both streams listed.
+    assert {(a.service, a.peer_service) for a in spike.affected} >= {("ts-pay", "gateway"), ("gateway", None)}
+    assert spike.state == "resolved"
+
+
+def test_calm_lumpy_traffic_with_lone_stalls_and_a_pause_opens_nothing():
+    stalls = tuple(range(300, 1500, 137))  # a request stalls 3 s every couple of minutes
+    assert _run(26, per_minute=9, stall_at=stalls, pause_at=16 * 60) == {}
