@@ -14,8 +14,8 @@ from benchmarks.traffic import Scenario
 from detectors.engine import DetectionEngine
 from detectors.p99_spike import P99SpikeDetector
 from detectors.resource import ResourceDetector
-from detectors.settings import DetectionSettings
 from detectors.sequential import TailSurprise
+from detectors.settings import DetectionSettings
 from detectors.streams import StreamKey
 from spikehound.model import Span, SpanKind, StatusCode
 
