@@ -10,6 +10,7 @@ like every query, and take seconds on millions of spans.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -18,6 +19,7 @@ from aiohttp import web
 from collector import analysis
 from collector.api import READER, ApiError, _json, _range, _run, whole_number
 from detectors.compare import CompareOptions
+from spikehound.timefmt import MAX_NS, NS
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|ms|s)?\s*$")
 
@@ -56,11 +58,23 @@ def _selection(request: web.Request, name: str, *, required: bool = True) -> ana
     if not text:
         if required:
             raise ApiError(400, f"{name} is required: KEY=VALUE, a service.version value, or SINCE..UNTIL")
-        return analysis.Selection("all spans", None, since, until)
+        return _readable(analysis.Selection("all spans", None, since, until))
     try:
-        return analysis.parse_selection(text, since, until)
+        return _readable(analysis.parse_selection(text, since, until))
     except ValueError as exc:
         raise ApiError(400, f"{name}: {exc}") from None
+
+
+# Storage reads the span blocks of a range up to an hour past its end (Reader.span_payloads): a range ending
+# later than this would take that bound past the 64-bit nanoseconds it compares with (an overflow, a 500).
+_LAST_READABLE_NS = MAX_NS - 3600 * NS
+
+
+def _readable(selection: analysis.Selection) -> analysis.Selection:
+    """``selection`` ending no later than storage can read; the answer's ``until`` says where it ended."""
+    if selection.until_ns <= _LAST_READABLE_NS:
+        return selection
+    return dataclasses.replace(selection, until_ns=_LAST_READABLE_NS)
 
 
 def _required(request: web.Request, name: str) -> str:

@@ -266,8 +266,12 @@ class DetectionEngine:
         return [(r.trace_id, r.span_id) for r in evidence.slow[-limit:]] if evidence is not None else []
 
     def _its_slow_requests(self, incident: Incident, lead: Judgement, traces: set[bytes]) -> list[tuple[bytes, bytes]]:
-        """The slow requests of the leading stream that belong to this incident, not to a stall elsewhere
-        on the same route (all of them when none can be told apart)."""
+        """The slow requests of ``lead`` (a stream of the incident) that belong to this incident, not to a
+        stall elsewhere on the same route (all of them when none can be told apart). A stream that joined
+        only because the incident's slow requests came through it (a route whose own tests said nothing)
+        gives those requests, seen from it."""
+        if not lead.hot:
+            return [(t, sp) for _, t, sp, _ in lead.samples if t in traces][-self.settings.slow_traces_per_window:]
         candidates = self._slow_samples(lead, self.settings.slow_traces_per_window)
         if lead.dense:
             mine = [(t, sp) for t, sp in candidates if self._trace_locus(lead.stream, t, sp)[0] in incident.loci]
@@ -419,23 +423,22 @@ class DetectionEngine:
             self.spikes_opened += 1
         s = self.settings
         incident = event.incident
-        viewed = [j for j in event.judgements if j.stream in incident.members]
-        widest = min(viewed, key=lambda j: incident.members[j.stream].rank, default=None)
+        viewed = {j.stream: j for j in event.judgements if j.stream in incident.members}
+        found = {stream: [(t, sp, b) for t, sp in self._its_slow_requests(incident, j, event.traces)
+                          if (b := self._breakdown(t, sp)).components]
+                 for stream, j in viewed.items()}
         current = self._viewed_from.get(incident.id)
-        if widest is not None and (current is None or incident.members[widest.stream].rank
-                                   < incident.members[current].rank):
-            self._viewed_from[incident.id] = current = widest.stream
-            self._slow[incident.id] = []  # a wider view starts over: its traces are compared with its profile
+        # The widest view that sees some of it; a wider one starts over (compared with its own profile).
+        for stream in sorted((s for s in found if found[s]), key=lambda s: incident.members[s].rank):
+            if current is None or incident.members[stream].rank < incident.members[current].rank:
+                self._viewed_from[incident.id] = current = stream
+                self._slow[incident.id] = []
+            break
         slow = self._slow.setdefault(incident.id, [])
-        view = next((j for j in viewed if j.stream == current), None)
+        view = viewed.get(current) if current is not None else None
         if view is not None:
             seen = {(t, sp) for t, sp, _ in slow}
-            for trace_id, span_id in self._its_slow_requests(incident, view, event.traces):
-                if (trace_id, span_id) in seen:
-                    continue
-                b = self._breakdown(trace_id, span_id)
-                if b.components:
-                    slow.append((trace_id, span_id, b))
+            slow += [(t, sp, b) for t, sp, b in found[current] if (t, sp) not in seen]
             if len(slow) > s.max_slow_traces:
                 del slow[::2]  # thin evenly, so early and late windows of a long spike both stay represented
         if not slow:
@@ -475,7 +478,8 @@ def _with_their_roots(groups: list[Group], roots: list[Judgement]) -> None:
     """Add to each group the trace-root streams its slow requests came through, hot or not: what users
     called leads an incident, even where a deeper stream saw the rise first."""
     for group in groups:
-        slow = set(group.traces)
+        slow = group.slow_ids
+        slow.update(group.traces)
         for j in group.dense:
             slow.update(t for _, t, _, _ in tail_band(j.judged, _LOCATE_TRACES))
         for j in roots:

@@ -101,6 +101,7 @@ class Group:
     by_stream: dict[StreamKey, set[bytes]] = field(default_factory=dict)  # which stream saw which of them
     dense: list[Judgement] = field(default_factory=list)  # members whose window test fired
     loci: set[str] = field(default_factory=set)  # the services its slow requests were linked to
+    slow_ids: set[bytes] = field(default_factory=set)  # every slow trace of the window's group, both tests'
 
     def add(self, j: Judgement, trace_id: bytes, gain: float, end_ns: int) -> None:
         """One slow request of stream ``j.stream`` pointing here."""
@@ -210,11 +211,11 @@ class IncidentBook:
                 incident.loci |= group.loci
                 for j in group.members.values():
                     self._extend(incident, j, group)
-                events.append(IncidentEvent("updated", incident, list(group.members.values()), set(group.traces)))
+                events.append(IncidentEvent("updated", incident, list(group.members.values()), _slow_of(group)))
                 continue
             opened = self._try_open(group, evidence_of, correction, now_ns)
             if opened is not None:
-                events.append(IncidentEvent("opened", opened, list(group.members.values()), set(group.traces)))
+                events.append(IncidentEvent("opened", opened, list(group.members.values()), _slow_of(group)))
         return events
 
     def resolve(self, is_calm: Callable[[StreamKey], bool]) -> list[IncidentEvent]:
@@ -275,6 +276,10 @@ class IncidentBook:
         incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, j.window_end_ns)
         if j.stream == incident.lead:
             incident.slowest = _slowest(incident.slowest, j)
+
+
+def _slow_of(group: Group) -> set[bytes]:
+    return group.slow_ids or set(group.traces)
 
 
 def _member(j: Judgement, group: Group, incident_start_ns: int) -> Member:

@@ -4,8 +4,8 @@ Attribution needs whole traces of the last window or two: the slow ones of a
 spike window, and a few normal ones to learn what normal looks like. Storage
 has them too, but reading them back on the writer thread would slow ingest;
 keeping a compact copy of the recent ones is cheaper. Each span is held as a
-plain tuple (no attributes, no payload), about 300 bytes plus its names, and the
-buffer is bounded by a span count and by those bytes (estimated from the string
+plain tuple (no attributes, no payload), about 300 bytes plus its name, and the
+buffer is bounded by a span count and by those bytes (estimated from the name
 lengths, so long span names cannot hold gigabytes): when either is exceeded, the
 oldest traces (by first arrival) go first, whole, and are counted.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from operator import itemgetter
 
 from spikehound.model import Span, SpanKind, StatusCode
 
@@ -34,11 +35,8 @@ __all__ = ["TraceBuffer"]
 
 # (span_id, parent_span_id, service, name, kind, start, end, host)
 Record = tuple[bytes, bytes | None, str, str, int, int, int, str | None]
-RECORD_BYTES = 300  # a record's tuple, ids, times and list slot; its strings are counted by length on top
-
-
-def _record_bytes(r: Record) -> int:
-    return RECORD_BYTES + len(r[2]) + len(r[3]) + len(r[7] or "")
+RECORD_BYTES = 300  # a record's tuple, ids, times and list slot; its name is counted by length on top
+_NAME = itemgetter(3)  # a span's name may be its own string; its service and host are one per process, shared
 
 
 class TraceBuffer:
@@ -64,17 +62,17 @@ class TraceBuffer:
             records = traces.get(s.trace_id)
             if records is None:
                 traces[s.trace_id] = records = []
-            host = s.host
-            records.append((s.span_id, s.parent_span_id, s.service, s.name, int(s.kind), s.start_unix_nano,
-                            s.end_unix_nano, host))
-            chars += len(s.service) + len(s.name) + (len(host) if host else 0)
+            name = s.name
+            records.append((s.span_id, s.parent_span_id, s.service, name, int(s.kind), s.start_unix_nano,
+                            s.end_unix_nano, s.host))
+            chars += len(name)
             added += 1
         self.spans += added
         self.bytes += added * RECORD_BYTES + chars
         while (self.spans > self.max_spans or self.bytes > self.max_bytes) and traces:
             evicted = traces.popitem(last=False)[1]
             self.spans -= len(evicted)
-            self.bytes -= sum(map(_record_bytes, evicted))
+            self.bytes -= len(evicted) * RECORD_BYTES + sum(map(len, map(_NAME, evicted)))
             self.evicted_traces += 1
 
     def trace(self, trace_id: bytes) -> list[Span]:

@@ -43,6 +43,7 @@ Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end n
 # (trace id, entry span id) -> the operations the entry's own calls reached, for splitting a generic entry
 RouteOf = Callable[[bytes, bytes], list[str]]
 _GENERIC_CACHE_LIMIT = 4096
+_NEVER_ANSWERED = 3  # calls of one (caller, name) left unanswered in a row: later ones are named at once
 _EXACT: dict[float, tuple[int, int]] = {}  # quantile -> (numerator, denominator), for nearest_rank
 T = TypeVar("T")
 
@@ -136,6 +137,12 @@ class LatencyWindows:
         self.max_streams = max_streams
         self.hops = hops
         self.route_of = route_of
+        # Windows with fewer requests count each trace once (its slowest call): they are judged request by
+        # request, where a loop of calls in one slow trace must not pose as many. Busier ones are judged by
+        # their p99, where it changes nothing, and skip the cost.
+        self.dedupe_below = 400
+        # (caller, CLIENT span name) -> how many of its calls in a row nobody answered (a database); bounded
+        self._never_answered: dict[tuple[str, str], int] = {}
 
         self.late_spans = 0
         self.overflow_spans = 0
@@ -178,6 +185,7 @@ class LatencyWindows:
         window_ns, lateness, hops = self.window_ns, self.allowed_lateness_ns, self.hops
         server, client = SpanKind.SERVER, SpanKind.CLIENT
         open_, streams, generic, callees = self._open, self._streams, self._generic, self._callees
+        hops_open = self._hops_open
         max_end, watermark, late = self._max_end, self._watermark, 0
         for span in spans:
             kind, parent = span.kind, span.parent_span_id
@@ -214,9 +222,9 @@ class LatencyWindows:
                 is_generic = self._is_generic(name)
             if kind == client:
                 peer = peer_label(span.attributes) if is_generic else None
-                pending = self._hops_open.get(start)
+                pending = hops_open.get(start)
                 if pending is None:
-                    self._hops_open[start] = pending = []
+                    hops_open[start] = pending = []
                 pending.append((duration, span.trace_id, span.span_id, end, span.service, name, peer))
                 continue
             if is_generic:
@@ -386,18 +394,7 @@ class LatencyWindows:
         later = self._second_chance.setdefault(start + w, ([], []))
         retried = self._second_chance.pop(start, ([], []))
         named: dict[tuple[str, str, str | None], list[Sample]] = {}
-        latest: dict[tuple[str, str, str | None], int] = {}
         roots: set[tuple[str, str, str | None]] = set()
-
-        def add(stream: tuple[str, str, str | None], sample: Sample) -> None:
-            samples = named.get(stream)
-            if samples is None:
-                named[stream] = samples = []
-                latest[stream] = sample[3]
-            elif sample[3] > latest[stream]:
-                latest[stream] = sample[3]
-            samples.append(sample)
-
         route_of = self.route_of
         for chance, records in enumerate((self._generic_open.pop(start, ()), retried[0])):
             for record in records:
@@ -407,7 +404,7 @@ class LatencyWindows:
                     later[0].append(record)
                     continue
                 stream = (service, split_operation(name, callees=callees), None)
-                add(stream, (duration, trace_id, span_id, end))
+                named.setdefault(stream, []).append((duration, trace_id, span_id, end))
                 if root:
                     roots.add(stream)
         # A CLIENT span is answered by a SERVER span that ended in its own window or near it (up to two
@@ -415,20 +412,34 @@ class LatencyWindows:
         empty: dict[bytes, tuple[str, str]] = {}
         here, before, ahead, long_before = (self._callees.get(b, empty) for b in (start, start - w, start + w,
                                                                                     start - 2 * w))
-        unanswered = peer_label({})
+        unanswered, never = peer_label({}), self._never_answered
         for chance, records in enumerate((self._hops_open.pop(start, ()), retried[1])):
             for record in records:
                 duration, trace_id, span_id, end, caller, name, peer = record
                 callee = here.get(span_id) or before.get(span_id) or ahead.get(span_id) or long_before.get(span_id)
-                if callee is None and chance == 0:
-                    later[1].append(record)
-                    continue
-                stream = (callee[0], callee[1], caller) if callee is not None else (peer or unanswered, name, caller)
-                add(stream, (duration, trace_id, span_id, end))
+                if callee is None:
+                    calls = (caller, name)
+                    # A call that was never answered (a database) need not wait for a second chance.
+                    if chance == 0 and never.get(calls, 0) < _NEVER_ANSWERED:
+                        later[1].append(record)
+                        continue
+                    if chance == 1 and len(never) < self.max_streams:
+                        never[calls] = never.get(calls, 0) + 1
+                    stream = (peer or unanswered, name, caller)
+                else:
+                    if never:
+                        never.pop((caller, name), None)
+                    stream = (callee[0], callee[1], caller)
+                samples = named.get(stream)
+                if samples is None:
+                    named[stream] = samples = []
+                samples.append((duration, trace_id, span_id, end))
         if not later[0] and not later[1]:
             del self._second_chance[start + w]
         for stream, samples in named.items():
-            if self._admit(StreamKey(*stream), latest[stream], stream in roots):
+            if len(samples) < self.dedupe_below:
+                samples = _slowest_per_trace(samples)
+            if self._admit(StreamKey(*stream), samples[-1][3], stream in roots):  # a recent end is enough here
                 by_stream.setdefault(StreamKey(*stream), []).extend(samples)
             else:
                 self.overflow_spans += len(samples) - 1  # _admit counted one
@@ -440,8 +451,8 @@ class LatencyWindows:
             self._name_late_streams(start, by_stream)
             for stream in sorted(by_stream, key=lambda k: (k[0], k[1], k[2] or "")):
                 samples = by_stream[stream]
-                if stream not in self._roots:
-                    samples = _slowest_per_trace(samples)  # a root is one per trace already
+                if len(samples) < self.dedupe_below and stream not in self._roots and stream[2] is None:
+                    samples = _slowest_per_trace(samples)  # a root is one per trace already; hops were done
                 samples.sort()
                 out.append(
                     LatencyWindow(

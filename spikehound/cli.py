@@ -11,14 +11,16 @@ import asyncio
 import json
 import os
 import sys
+import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from spikehound import __version__
-from spikehound.config import Config, ConfigError, HostPort, effective, load, to_toml
+from spikehound.config import Config, ConfigError, HostPort, check_otlp_exposure, effective, load, to_toml
 from spikehound.text import printable
 
 DEFAULT_API_URL = "http://127.0.0.1:8470"
@@ -95,6 +97,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         args.config = args.file
     cfg = _config(args)
     sys.stdout.write(to_toml(effective(cfg)))
+    try:  # the agent reads the same tree: this stops only a collector, so a note for a collector's file
+        if args.config and "collector" in tomllib.loads(Path(args.config).read_text()):
+            check_otlp_exposure(cfg)
+    except ConfigError as exc:
+        print(f"# configuration is valid for an agent; a collector would refuse to start: {exc}", file=sys.stderr)
+        return 0
     print("# configuration is valid", file=sys.stderr)
     return 0
 

@@ -200,3 +200,30 @@ def test_a_delay_in_front_of_a_sparse_service_opens_one_spike_naming_the_hop_int
 def test_calm_lumpy_traffic_with_lone_stalls_and_a_pause_opens_nothing():
     stalls = tuple(range(300, 1500, 137))  # a request stalls 3 s every couple of minutes
     assert _run(26, per_minute=9, stall_at=stalls, pause_at=16 * 60) == {}
+
+
+def test_a_route_that_barely_moved_still_leads_and_the_spike_is_explained_from_it():
+    # A slow route (450 ms) calling a fast service (5 ms) that becomes 25 ms: the service's streams rise five
+    # times over, the route by 4 %, too little to be judged a rise. The route still leads (it is what users
+    # called), and the causes are read from its traces.
+    rng = random.Random(3)
+    engine, spikes, mesh = DetectionEngine(DetectionSettings()), {}, _Mesh()
+    for second in range(8 * 60):
+        spans: list[Span] = []
+        for i in range(20):
+            start = T0 + second * NS + i * NS // 20
+            trace = rng.getrandbits(128).to_bytes(16, "big")
+            root = mesh._span(trace, None, "gateway", "POST /render", SpanKind.SERVER, start, 0)
+            work = int(rng.lognormvariate(0, 0.05) * (25 if second >= 6 * 60 else 5) * MS)
+            client = mesh._span(trace, root.span_id, "gateway", "HTTP GET", SpanKind.CLIENT, start + 450 * MS, 0)
+            server = mesh._span(trace, client.span_id, "ts-fonts", "GET /font", SpanKind.SERVER,
+                                start + 451 * MS, start + 451 * MS + work)
+            client.end_unix_nano = server.end_unix_nano + MS
+            root.end_unix_nano = client.end_unix_nano + MS
+            spans += [root, client, server]
+        engine.add(spans)
+        spikes.update((s.id, s) for s in engine.advance().spikes)
+    (spike,) = spikes.values()
+    assert (spike.service, spike.operation) == ("gateway", "POST /render")
+    assert spike.causes and spike.causes[0].service == "ts-fonts", spike.causes
+    assert {(a.service, a.peer_service) for a in spike.affected} >= {("ts-fonts", None), ("ts-fonts", "gateway")}

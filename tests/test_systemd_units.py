@@ -145,10 +145,19 @@ def test_example_configuration_documents_every_key(example, sections):
 @pytest.mark.parametrize("example", ["collector.toml", "agent.toml"])
 def test_example_configuration_passes_check_config(example, tmp_path):
     tomllib.loads((UNITS / example).read_text())
-    done = subprocess.run([str(Path(sys.executable).parent / "spikehound"), "check-config", str(UNITS / example)],
-                          capture_output=True, text=True, timeout=60, env={"HOME": str(tmp_path), "PATH": "/usr/bin"})
+
+    def check(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(Path(sys.executable).parent / "spikehound"), "check-config", str(UNITS / example)],
+                              capture_output=True, text=True, timeout=60,
+                              env={"HOME": str(tmp_path), "PATH": "/usr/bin", **env})
+
+    # The collector's example listens for OTLP beyond loopback: its environment file supplies the token.
+    done = check(SPIKEHOUND_COLLECTOR_OTLP_TOKEN="t0ken") if example == "collector.toml" else check()
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == "# configuration is valid"
+    if example == "collector.toml":  # without it, check-config says that a collector would refuse to start
+        bare = check()
+        assert bare.returncode == 0 and "a collector would refuse to start" in bare.stderr
 
 
 def test_environment_files_hold_only_secrets_named_as_settings():

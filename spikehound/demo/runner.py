@@ -199,7 +199,7 @@ def run_demo(rate: float = 20.0, warmup: float = 40.0, fault_seconds: float = 15
         load.stop()
         load = None
         findings = _match(watch, injections)
-        status = _report(con, stack, findings)
+        status = _report(con, stack, findings, keep)
         if keep:
             stack.stop(keep_collector=True)
             con.say(f"collector keeps running at {stack.api} (Ctrl-C to stop)")
@@ -310,7 +310,7 @@ def _unix(rfc3339: str) -> float:
     return parse_time(rfc3339) / 1e9
 
 
-def _report(con: Console, stack: Stack, findings: Sequence[Finding]) -> int:
+def _report(con: Console, stack: Stack, findings: Sequence[Finding], keep: bool = False) -> int:
     header = ("FAULT", "INJECTED", "FOUND AFTER", "SPIKE ON", "P99 / BASELINE", "TOP CAUSE", "MATCH")
     rows = []
     for f in findings:
@@ -344,6 +344,10 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding]) -> int:
     simulated = " (GPU: a SIMULATED device)" if any(f.injection.fault.simulated for f in findings) else ""
     con.say(f"{verdict}: {good} of {len(findings)} faults found and explained by their top cause{simulated}",
             stamped=False)
-    con.say(f"API  {stack.api}/api/v1/spikes   (also: spikehound spikes --api-url {stack.api})", stamped=False)
-    con.say(f"web  {stack.api}/", stamped=False)
+    if keep:
+        con.say(f"API  {stack.api}/api/v1/spikes   (also: spikehound spikes --api-url {stack.api})", stamped=False)
+        con.say(f"web  {stack.api}/", stamped=False)
+    else:
+        con.say("the collector stops with the demo: `spikehound demo --keep` keeps its API, web pages and "
+                "databases up to look around", stamped=False)
     return 0 if verdict == "OK" else 1
