@@ -93,7 +93,9 @@ SCHEMAS: dict[str, Any] = {
         "p99_ms": {"type": "number"}, "baseline_p99_ms": {"type": "number"},
         "causes": {"type": "array", "items": {"$ref": "#/components/schemas/Cause"}},
         "exemplar_trace_ids": {"type": "array", "items": {"type": "string"}},
-        "affected_streams": {"type": "array", "items": {"$ref": "#/components/schemas/AffectedStream"}}}),
+        "affected_streams": {"type": "array", "maxItems": 50, "items": {"$ref": "#/components/schemas/AffectedStream"},
+                             "description": "The streams the spike moved, the leading one first, then the most "
+                                            "user-facing (at most 50)."}}),
     "Spikes": _obj({"spikes": {"type": "array", "items": {"$ref": "#/components/schemas/Spike"}}}),
 }
 

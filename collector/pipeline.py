@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from collector.detection import detection_settings
@@ -25,7 +26,9 @@ from collector.telemetry import CollectorTelemetry
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.config import Config
 from spikehound.model import Spike
+from spikehound.text import printable
 from storage import checkpoints
+from storage.reader import Reader
 from storage.retention import Retention
 from storage.writer import SpanBlock, WriteBatch, Writer
 
@@ -59,11 +62,13 @@ class IngestPipeline:
         self.spike_listeners: list[Callable[[list[Spike]], None]] = []
         self._pending = Detection()  # windows and spikes waiting for the next commit
         self._open_ids: set[str] = set()
+        self._orphans: list[Spike] = []  # open in storage, unknown to the restored detectors (see restore)
         self._last_input = time.monotonic()
         self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
         self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
         self.retention = RetentionRunner(Retention(writer.engine), telemetry)
         self._failures = 0
+        self._detector_errors_seen: set[tuple[str, str]] = set()
         self._stopping = False
         self.commit_hooks: list[Callable[[WriteBatch], None]] = []  # told of every committed batch, on the writer
         telemetry.add_counter_source(self._counters)
@@ -105,7 +110,40 @@ class IngestPipeline:
         }
 
     async def restore(self) -> None:
-        """Continue from the last checkpoint, if there is one that fits."""
+        """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
+        await self._restore_checkpoint()
+        self._open_ids = {s.id for s in self.engine.open_spikes()}
+        stored = await self._on_writer(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
+        # Opened after the checkpoint the detectors continue from (the collector was killed in between): the
+        # detectors do not know them, so nothing would ever resolve them. They are closed at the last window
+        # that saw them anomalous, once event time has moved past it (alerting announces them meanwhile, as
+        # it would any open spike it finds at start).
+        self._orphans = [spike for spike in stored if spike.id not in self._open_ids]
+        self._open_ids.update(spike.id for spike in self._orphans)
+        if self._orphans:
+            log.warning("%d spike(s) open in storage are not in the detectors' checkpoint (the collector stopped "
+                        "without saving it): they will be closed at their last anomalous window once event time "
+                        "passes it: %s", len(self._orphans), ", ".join(s.id for s in self._orphans[:10]))
+
+    def _close_orphans(self) -> None:
+        """Resolve the spikes restore() found orphaned whose last anomalous window event time has passed."""
+        watermark = self.engine.windows.watermark
+        if watermark is None:
+            return
+        due: list[Spike] = []
+        waiting: list[Spike] = []
+        for spike in self._orphans:
+            end = _last_anomalous_end(spike)
+            if end + self.settings.window_ns <= watermark:
+                due.append(replace(spike, state="resolved", end_unix_nano=end))
+            else:
+                waiting.append(spike)
+        self._orphans = waiting
+        if due:
+            log.info("closed %d orphaned spike(s) as resolved: %s", len(due), ", ".join(s.id for s in due[:10]))
+            self._pending.spikes.extend(due)
+
+    async def _restore_checkpoint(self) -> None:
         found = await self._on_writer(checkpoints.load, self.writer.engine, CHECKPOINT_NAME)
         if found is None:
             log.info("detectors start fresh: no checkpoint")
@@ -125,10 +163,9 @@ class IngestPipeline:
             log.warning("the checkpoint's event time ran past this collector's clock plus "
                         "collector.max_clock_skew_seconds (a sender's clock was wrong): brought back, and the "
                         "windows beyond dropped")
-        self._open_ids = {s.id for s in self.engine.open_spikes()}
         log.info("detectors restored from the checkpoint of %s: %d streams, %d open spikes",
                  time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at)),
-                 self.engine.stats()["judged_streams"], len(self._open_ids))
+                 self.engine.stats()["judged_streams"], len(self.engine.open_spikes()))
 
     async def run(self) -> None:
         """Write until ``stop`` is called and the queue is empty."""
@@ -178,16 +215,40 @@ class IngestPipeline:
         self.telemetry.stored.labels("metrics").inc(len(points))
         self._written(pending)
         self._pending = detected
+        if self._orphans:
+            self._close_orphans()
 
     def _write_and_detect(self, batch: WriteBatch) -> Detection:
         """On the writer thread: commit, then feed what was committed to the detectors (keeps the loop free)."""
         self.writer.write(batch)
-        for hook in self.commit_hooks:  # must not raise: the batch is already committed
-            hook(batch)
+        for hook in self.commit_hooks:  # the batch is committed: a failing hook costs its own figures only
+            try:
+                hook(batch)
+            except Exception as exc:
+                self._count_failure("metrics", "a commit hook (span or resource metrics)", exc)
         if not batch.spans and not batch.points:
             return Detection()
+        return self._detect(self._add_and_advance, batch)
+
+    def _add_and_advance(self, batch: WriteBatch) -> Detection:
         self.engine.add(batch.spans, batch.points)
         return self.engine.advance()
+
+    def _detect(self, fn: Callable[..., Detection], *args: Any) -> Detection:
+        """Run a detector step; a bug set off by odd input costs that step, never ingest or the loop."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._count_failure("detectors", "the detectors", exc)
+            return Detection()
+
+    def _count_failure(self, part: str, what: str, exc: Exception) -> None:
+        self.telemetry.detector_errors.labels(part).inc()
+        kind = (part, exc.__class__.__name__)
+        if kind not in self._detector_errors_seen:  # one traceback per part and kind, not one per batch
+            self._detector_errors_seen.add(kind)
+            log.error("%s failed on a batch (stored anyway); counted in spikehound_detector_errors_total, further "
+                      "%s errors are not logged", what, kind[1], exc_info=exc)
 
     def _written(self, done: Detection) -> None:
         """Account for windows and spikes that were just committed, and tell the listeners."""
@@ -204,9 +265,10 @@ class IngestPipeline:
                 log.exception("spike listener failed")
 
     def _announce(self, spike: Spike) -> str:
-        what = (f"{spike.service} {spike.operation!r}: p99 {spike.p99_ns / 1e6:.1f} ms "
+        # Names come from senders: shown escaped, so a span name cannot forge or recolour a log line.
+        what = (f"{printable(spike.service, 255)} {spike.operation[:1024]!r}: p99 {spike.p99_ns / 1e6:.1f} ms "
                 f"against {spike.baseline_p99_ns / 1e6:.1f} ms")
-        top = spike.causes[0].summary if spike.causes else "no cause found yet"
+        top = printable(spike.causes[0].summary, 2048) if spike.causes else "no cause found yet"
         if spike.state == "resolved":
             self._open_ids.discard(spike.id)
             log.info("spike %s resolved on %s", spike.id, what)
@@ -283,9 +345,11 @@ class IngestPipeline:
             if watermark is not None:  # never past the clock plus the skew the receivers allow
                 latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
                 advance = max(min(advance, latest - watermark), 0)
-            detected = await self._on_writer(self.engine.advance, advance)
+            detected = await self._on_writer(self._detect, self.engine.advance, advance)
             self._pending.windows.extend(detected.windows)
             self._pending.spikes.extend(detected.spikes)
+        if self._orphans:
+            self._close_orphans()
         if not await self._write_pending():
             return
         if time.monotonic() >= self._next_retention:
@@ -297,3 +361,8 @@ class IngestPipeline:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+
+
+def _last_anomalous_end(spike: Spike) -> int:
+    ends = [a.last_anomalous_end_unix_nano for a in spike.affected if a.last_anomalous_end_unix_nano]
+    return max(ends, default=spike.detected_unix_nano or spike.start_unix_nano)

@@ -81,6 +81,11 @@ class CollectorTelemetry:
                                        registry=r)
         self.write_errors = Counter("spikehound_storage_write_errors", "Write batches that failed to commit.",
                                     registry=r)
+        self.detector_errors = Counter("spikehound_detector_errors",
+                                       "Committed batches that the detectors or a metrics hook failed on (stored "
+                                       "and acknowledged anyway; their windows or span metrics may miss them). "
+                                       "The first of each kind is logged with its traceback.", ["part"],
+                                       registry=r)
         self.windows_closed = Counter("spikehound_latency_windows_closed",
                                       "Event-time latency windows closed and stored.", registry=r)
         self.spikes = Counter("spikehound_spikes", "Spike state changes written to storage.", ["event"], registry=r)

@@ -45,11 +45,12 @@ else just behind it, as evidence.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from detectors.critical_path import critical_path_times, hop_callees
+from detectors.critical_path import TraceIndex, critical_path_times, hop_callees
 from detectors.resource import ResourceFlag
 from spikehound.model import Cause, CauseKind, Span, SpanKind
 
@@ -61,6 +62,7 @@ MS = 1e6
 SPECIFIC_SPAN_SHARE = 0.6  # a span holding this much of its service's growth is the better answer
 MIN_SCORE = 0.05  # components explaining less than 5 % of the added latency are not causes
 UNANSWERED = ""  # the peer of a span component that is a CLIENT span no server answered
+MAX_COMPONENTS = 64  # components a breakdown keeps (its largest); a normal profile keeps twice as many
 ACCOUNT_SLACK = 1.5  # a resource accounts for a component that grew up to this much more than it can explain
 
 
@@ -73,7 +75,7 @@ class Breakdown:
     hosts: dict[Key, str | None]
 
 
-def breakdown(spans: Sequence[Span], root: bytes | None = None) -> Breakdown:
+def breakdown(spans: Sequence[Span] | TraceIndex, root: bytes | None = None) -> Breakdown:
     """The critical-path breakdown of the (sub)trace under ``root`` (the trace root when None)."""
     path = critical_path_times(spans, root)
     if not path:
@@ -97,6 +99,10 @@ def breakdown(spans: Sequence[Span], root: bytes | None = None) -> Breakdown:
             components[service_key] = components.get(service_key, 0) + self_ns
             hosts.setdefault(service_key, span.host)
         components[key] = components.get(key, 0) + self_ns
+    if len(components) > MAX_COMPONENTS:  # a path of thousands of distinct spans: its largest parts say it all
+        kept = heapq.nlargest(MAX_COMPONENTS, components.items(), key=lambda item: item[1])
+        components = dict(kept)
+        hosts = {key: hosts[key] for key in components}
     return Breakdown(total, components, hosts)
 
 
@@ -126,6 +132,10 @@ class NormalProfile:
         for key, value in b.components.items():
             old = self.means.get(key, 0.0)
             self.means[key] = old + alpha * (value - old)
+        if len(self.means) > 2 * MAX_COMPONENTS:  # the smallest means go: what was common stays
+            for key, _ in heapq.nsmallest(len(self.means) - 2 * MAX_COMPONENTS, self.means.items(),
+                                          key=lambda item: item[1]):
+                del self.means[key]
 
 
 def attribute(slow: Sequence[Breakdown], profile: NormalProfile, flags: Sequence[ResourceFlag],

@@ -11,19 +11,52 @@ children that ended before their parent started (clock skew across hosts).
 
 The walk is iterative (deep traces cannot overflow the stack), visits each span
 once (cycles and duplicated span ids cannot make it loop) and sorts each
-visited span's children once, so it costs O(n log n).
+visited span's children once, so it costs O(n log n). Where many paths of one
+trace are wanted (one per stream that saw it), a :class:`TraceIndex` built
+once lets each walk cost only the subtree it starts at.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from spikehound.model import Span, SpanKind
 
-__all__ = ["critical_path", "critical_path_times", "hop_callees"]
+__all__ = ["TraceIndex", "critical_path", "critical_path_times", "hop_callees"]
 
 
-def critical_path(spans: Sequence[Span], root: bytes | None = None) -> list[bytes]:
+@dataclass(slots=True)
+class TraceIndex:
+    """One trace's spans by id and by parent (of duplicated ids the first counts).
+
+    ``budget`` is how many spans the walks over it may still visit in all: a walk that would go past it
+    finds no path (and uses the budget up). Many walks of one odd trace (a chain of thousands of spans, each
+    its own stream) would otherwise cost the square of its length.
+    """
+
+    by_id: dict[bytes, Span]
+    children: dict[bytes, list[Span]]
+    roots: list[Span]  # spans without a parent, or whose parent is not in the trace (or is themselves)
+    budget: int = 2**62
+
+    @classmethod
+    def of(cls, spans: Sequence[Span], budget: int = 2**62) -> TraceIndex:
+        by_id: dict[bytes, Span] = {}
+        for s in spans:
+            by_id.setdefault(s.span_id, s)
+        children: dict[bytes, list[Span]] = {}
+        roots: list[Span] = []
+        for s in by_id.values():
+            parent = s.parent_span_id
+            if parent is None or parent == s.span_id or parent not in by_id:
+                roots.append(s)
+            else:
+                children.setdefault(parent, []).append(s)
+        return cls(by_id, children, roots, budget)
+
+
+def critical_path(spans: Sequence[Span] | TraceIndex, root: bytes | None = None) -> list[bytes]:
     """Span ids on the critical path of the trace made of ``spans``, ordered by start time.
 
     The path starts at ``root`` when given (the entry span of a stream deep in a
@@ -51,7 +84,7 @@ def critical_path(spans: Sequence[Span], root: bytes | None = None) -> list[byte
     return [span.span_id for span, _ in critical_path_times(spans, root)]
 
 
-def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> list[tuple[Span, int]]:
+def critical_path_times(spans: Sequence[Span] | TraceIndex, root: bytes | None = None) -> list[tuple[Span, int]]:
     """The critical path as ``(span, self_ns)`` pairs, ordered by start time.
 
     ``self_ns`` is the time on the path that the span spent itself: its
@@ -69,20 +102,10 @@ def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> lis
     >>> [(s.name, t) for s, t in critical_path_times(trace)]
     [('op1', 15), ('op3', 50), ('op4', 35)]
     """
-    by_id: dict[bytes, Span] = {}
-    for s in spans:
-        by_id.setdefault(s.span_id, s)
-    if not by_id or (root is not None and root not in by_id):
+    index = spans if isinstance(spans, TraceIndex) else TraceIndex.of(spans)
+    by_id, children, roots = index.by_id, index.children, index.roots
+    if not by_id or (root is not None and root not in by_id) or index.budget <= 0:
         return []
-
-    children: dict[bytes, list[Span]] = {}
-    roots: list[Span] = []
-    for s in by_id.values():
-        parent = s.parent_span_id
-        if parent is None or parent == s.span_id or parent not in by_id:
-            roots.append(s)
-        else:
-            children.setdefault(parent, []).append(s)
 
     if root is not None:
         top = by_id[root]
@@ -96,6 +119,7 @@ def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> lis
     # child that starts with it.
     on_path: list[tuple[int, int, bytes, Span, int]] = []
     visited: set[bytes] = set()
+    spent = 0
     # (span, its start and end cut to its parent's effective interval, depth)
     top_end = max(top.end_unix_nano, top.start_unix_nano)
     stack: list[tuple[Span, int, int, int]] = [(top, top.start_unix_nano, top_end, 0)]
@@ -106,6 +130,10 @@ def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> lis
         visited.add(span.span_id)
         waited = 0
         kids = children.get(span.span_id)
+        spent += 1 + (len(kids) if kids else 0)  # each span on the path, and the children it sorts
+        if spent > index.budget:
+            index.budget = 0
+            return []
         if kids:
             # Latest (clamped) end first; on equal ends the longer child, then the
             # span id, so the answer does not depend on input order.
@@ -131,6 +159,7 @@ def critical_path_times(spans: Sequence[Span], root: bytes | None = None) -> lis
                 cursor = child.start_unix_nano
         on_path.append((span.start_unix_nano, depth, span.span_id, span, max(eff_end - eff_start - waited, 0)))
 
+    index.budget -= spent
     on_path.sort(key=lambda p: (p[0], p[1], p[2]))
     return [(span, self_ns) for _, _, _, span, self_ns in on_path]
 

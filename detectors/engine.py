@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from itertools import groupby
 
 from detectors.attribution import Breakdown, NormalProfile, attribute, breakdown
+from detectors.critical_path import TraceIndex
 from detectors.incidents import Group, Incident, IncidentBook, IncidentEvent, stream_rank
 from detectors.resource import ResourceFlag, ResourceWatch
 from detectors.sequential import SlowRequest
 from detectors.settings import DetectionSettings
 from detectors.stream_judge import Judgement, StreamJudge, tail_band
-from detectors.streams import StreamKey
+from detectors.streams import UNINSTRUMENTED, StreamKey
 from detectors.trace_buffer import TraceBuffer
 from detectors.windows import LatencyWindows
 from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, MetricPoint, Span, Spike
@@ -44,6 +45,8 @@ __all__ = ["CHECKPOINT_FORMAT", "Detection", "DetectionEngine"]
 
 # Bump when the pickled state's layout changes: an older checkpoint is then ignored, not misread.
 CHECKPOINT_FORMAT = 2
+MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outage of the gateway moves them all
+_WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows
 _LOCATE_TRACES = 32  # slow requests of a stream attributed to find its locus
 
@@ -85,7 +88,7 @@ class DetectionEngine:
         self._slow: dict[str, list[tuple[bytes, bytes, Breakdown]]] = {}
         self._viewed_from: dict[str, StreamKey] = {}  # per open incident: the stream it is attributed from
         self._breakdowns: OrderedDict[tuple[bytes, bytes], Breakdown] = OrderedDict()
-        self._step_traces: dict[bytes, list[Span]] = {}  # traces built during one step (see _trace)
+        self._step_traces: dict[bytes, TraceIndex] = {}  # traces indexed during one step (see _trace)
         self._loci: OrderedDict[tuple[bytes, bytes], tuple[str, str | None]] = OrderedDict()  # (trace, span) -> locus
         self._metric_max_ns: int | None = None
         self.spikes_opened = 0
@@ -249,7 +252,7 @@ class DetectionEngine:
         if hot:
             groups = self._groups(hot)
             _with_their_roots(groups, [j for j in judgements if j.root and not j.hot])
-            events = self.incidents.step(groups, self.judge.evidence, self.judge.warm_streams, now_ns)
+            events = self.incidents.step(groups, self.judge.evidence, self.judge.warm_streams(now_ns), now_ns)
         for j in judgements:
             incident = self.incidents.incident_of(j.stream)
             self.judge.settle(j, incident.id if incident is not None else None)
@@ -380,6 +383,14 @@ class DetectionEngine:
                 if causes and causes[0].service is not None:
                     top = causes[0]
                     locus = (top.service, top.peer_service if top.kind == CauseKind.NETWORK else None)
+                    if top.kind == CauseKind.SPAN and top.operation:
+                        # A call nobody answers (a query): the time was added where it went, if it says.
+                        peer = self.windows.unanswered_peer.get((top.service, top.operation))
+                        if peer is not None:
+                            locus = (peer, top.service)
+            if locus[0] == UNINSTRUMENTED or locus[0] in self.windows.kinds:
+                # Says nothing about where (or only "mysql"): unrelated calls must not meet there. The caller.
+                locus = (locus[1] or "", None)
             self._loci[key] = locus
             if len(self._loci) > _BREAKDOWN_CACHE:
                 self._loci.popitem(last=False)
@@ -395,12 +406,13 @@ class DetectionEngine:
             self.profiles.move_to_end(stream)
         return profile
 
-    def _trace(self, trace_id: bytes) -> list[Span]:
-        """A buffered trace, built once per step: one trace is seen by the windows of many streams."""
-        spans = self._step_traces.get(trace_id)
-        if spans is None:
-            spans = self._step_traces[trace_id] = self.traces.trace(trace_id)
-        return spans
+    def _trace(self, trace_id: bytes) -> TraceIndex:
+        """A buffered trace, indexed once per step: one trace is seen by the windows of many streams, and a
+        path from one of its spans then costs the subtree under it, not the whole trace."""
+        index = self._step_traces.get(trace_id)
+        if index is None:
+            index = self._step_traces[trace_id] = TraceIndex.of(self.traces.trace(trace_id), _WALK_BUDGET)
+        return index
 
     def _learn_normal(self, j: Judgement) -> None:
         if not j.samples:
@@ -465,7 +477,7 @@ class DetectionEngine:
                                         last_anomalous_end_unix_nano=m.last_anomalous_end_ns,
                                         p99_ns=m.peak_p99_ns, baseline_p99_ns=m.baseline_ns,
                                         evidence=round(m.evidence, 2), slow_requests=m.slow_requests)
-                         for m in members)
+                         for m in members[:MAX_AFFECTED])
         return Spike(id=incident.id, service=lead.stream.service, operation=lead.stream.operation,
                      state=incident.state, start_unix_nano=incident.start_ns, end_unix_nano=incident.end_ns,
                      p99_ns=lead.peak_p99_ns, baseline_p99_ns=lead.baseline_ns,
@@ -492,20 +504,28 @@ class _Links:
 
     def __init__(self) -> None:
         self._parent: dict[str, str] = {}
+        self._size: dict[str, int] = {}  # a root -> how many services its group holds
         self._named: Counter[str] = Counter()
 
     def find(self, service: str) -> str:
-        parent = self._parent.setdefault(service, service)
-        if parent != service:
-            parent = self._parent[service] = self.find(parent)
-        return parent
+        parents = self._parent
+        root = parents.setdefault(service, service)
+        while parents[root] != root:  # iterative: thousands of linked services must not reach the recursion limit
+            root = parents[root]
+        while service != root:  # path compression
+            parents[service], service = root, parents[service]
+        return root
 
     def join(self, service: str, *others: str) -> None:
         root = self.find(service)
         for other in others:
             other_root = self.find(other)
             if other_root != root:
+                # Union by size keeps the trees shallow.
+                if self._size.get(other_root, 1) > self._size.get(root, 1):
+                    root, other_root = other_root, root
                 self._parent[other_root] = root
+                self._size[root] = self._size.get(root, 1) + self._size.pop(other_root, 1)
 
     def count(self, where: str, caller: str | None) -> None:
         self._named[where] += 2  # where the time was added counts more than the caller of a slowed hop

@@ -59,6 +59,7 @@ from detectors.windows import Sample
 __all__ = ["Group", "Incident", "IncidentBook", "IncidentEvent", "Member", "spike_id", "stream_rank"]
 
 _REFERENCE_STREAMS = 10  # the thresholds hold as set up to this many streams; beyond, they grow with log10
+MAX_SLOW_IDS = 1024  # slow request ids an affected stream keeps to count each once; beyond, they are counted
 _RUN_GAP = 4  # a gap this many times the typical one (plus a window) ends a run of slow requests
 
 
@@ -134,10 +135,20 @@ class Member:
     evidence: float  # the most evidence it showed (-log10 units)
     slow_traces: set[bytes] = field(default_factory=set)  # its slow requests the sequential test counted
     over_baseline: int = 0  # requests over its baseline in the windows its window test fired on
+    counted_slow: int = 0  # slow requests counted beyond the set (a long incident keeps MAX_SLOW_IDS ids)
 
     @property
     def slow_requests(self) -> int:
-        return len(self.slow_traces) + self.over_baseline
+        return len(self.slow_traces) + self.counted_slow + self.over_baseline
+
+    def add_slow(self, trace_ids: Iterable[bytes]) -> None:
+        for trace_id in trace_ids:
+            if trace_id in self.slow_traces:
+                continue
+            if len(self.slow_traces) < MAX_SLOW_IDS:
+                self.slow_traces.add(trace_id)
+            else:
+                self.counted_slow += 1  # a trace past the cap may be counted twice across windows: rare
 
     @property
     def rank(self) -> tuple[int, float, tuple[str, str, str]]:
@@ -233,7 +244,9 @@ class IncidentBook:
     def _try_open(self, group: Group, evidence_of: Callable[[StreamKey], SequentialEvidence | None],
                   correction: float, now_ns: int) -> Incident | None:
         s = self.settings
-        dense = [j for j in group.dense if j.score >= s.min_score + correction and j.spread_ns >= s.min_spread_ns]
+        # A fifth of a window at most: with windows of 2 s or less, 2 s could never be reached in one window.
+        min_spread = min(s.min_spread_ns, s.window_ns // 5)
+        dense = [j for j in group.dense if j.score >= s.min_score + correction and j.spread_ns >= min_spread]
         if dense:
             strength = max(j.score for j in dense)
             start = min(j.onset_ns for j in dense)
@@ -267,7 +280,7 @@ class IncidentBook:
         member = incident.members.get(j.stream)
         if member is None:  # joins as an affected stream; the leader (and the alerts keyed on it) stays
             member = incident.members[j.stream] = _member(j, group, incident.start_ns)
-        member.slow_traces.update(group.by_stream.get(j.stream, ()))
+        member.add_slow(group.by_stream.get(j.stream, ()))
         if j.dense:
             member.over_baseline += j.exceed
         member.last_anomalous_end_ns = max(member.last_anomalous_end_ns, j.window_end_ns)

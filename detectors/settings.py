@@ -54,7 +54,7 @@ class DetectionSettings:
     min_evidence: float = 4.0  # sequential evidence of a group that opens a spike
     min_slow_requests: int = 2  # ... over at least this many distinct slow traces
     min_slow_spread_ns: int = 10 * S  # ... which did not all end within this of each other (one pause)
-    min_spread_ns: int = 2 * S  # the same for the slow requests of a window whose window test fired
+    min_spread_ns: int = 2 * S  # the same for a window whose window test fired (at most a fifth of a window)
     # Attribution (see detectors.attribution).
     trace_buffer_spans: int = 200_000
     trace_buffer_bytes: int = 128 * 2**20  # ... and their estimated bytes (long names fill it before the count)

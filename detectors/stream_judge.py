@@ -33,6 +33,7 @@ import bisect
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 from operator import itemgetter
 
 from detectors.p99_spike import P99SpikeDetector
@@ -41,6 +42,10 @@ from detectors.settings import DetectionSettings
 from detectors.streams import StreamKey
 from detectors.windows import Sample
 from spikehound.model import LatencyWindow
+
+RECENT_NS = 600 * 10**9  # a stream judged in the last ten minutes (event time) is one of the hypotheses tested
+SEQUENTIAL_MAX = 256  # requests of one window the sequential test reads (a busy one is thinned to this)
+EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
 
 __all__ = ["Judgement", "StreamJudge", "tail_band"]
 
@@ -112,8 +117,13 @@ class StreamJudge:
             state.evidence.reset()
             state.evidence.calm_run = 0 if j.elevated or j.dense else state.evidence.calm_run + window.count
         else:
-            # The sequential test: every request in end-time order, into the stream's running evidence.
-            by_end = sorted(window.samples, key=itemgetter(3))
+            # The sequential test: every request in end-time order, into the stream's running evidence. A
+            # busy window whose window test is still learning is thinned evenly across its latencies (they
+            # are sorted by duration): its rise shows as well in a few hundred, at a fraction of the cost.
+            samples = window.samples
+            if len(samples) > SEQUENTIAL_MAX:
+                samples = samples[::-(-len(samples) // SEQUENTIAL_MAX)]
+            by_end = sorted(samples, key=itemgetter(3))
             surprises = state.tail.surprises([d for d, _, _, _ in by_end])
             state.evidence.update(window.start_unix_nano, list(zip(surprises, by_end, strict=True)))
         j.evidence = state.evidence.value
@@ -196,10 +206,15 @@ class StreamJudge:
         state = self._streams.get(stream)
         return bool(state and (state.window_test.warm or state.tail.warm))
 
-    @property
-    def warm_streams(self) -> int:
-        """Streams judged by at least one warm test: the number of hypotheses tested each window."""
-        return sum(1 for st in self._streams.values() if st.window_test.warm or st.tail.warm)
+    def warm_streams(self, now_ns: int) -> int:
+        """Streams judged by a warm test in the last ``RECENT_NS``: the hypotheses tested, window by window.
+
+        Streams that went quiet (a route no one calls any more, yesterday's one-off names) test nothing and
+        must not raise everyone's bar.
+        """
+        since = now_ns - RECENT_NS
+        return sum(1 for st in self._streams.values()
+                   if st.last_end_ns >= since and (st.window_test.warm or st.tail.warm))
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -213,11 +228,16 @@ class StreamJudge:
             return state
         s = self.settings
         if len(self._streams) >= s.max_streams:
-            for old, old_state in self._streams.items():
-                if old_state.incident is None:
-                    del self._streams[old]
-                    self.evicted_streams += 1
-                    break
+            # Of the least recently judged, one that never learned enough to judge goes first: a flood of
+            # one-off names then pushes out its own kind, not the baselines that took hours to learn.
+            free = [old for old, st in islice(self._streams.items(), EVICTION_SCAN) if st.incident is None]
+            cold = next((old for old in free if not (self._streams[old].tail.warm
+                                                     or self._streams[old].window_test.warm)), None)
+            victim = cold if cold is not None else free[0] if free else next(
+                (old for old, st in self._streams.items() if st.incident is None), None)
+            if victim is not None:
+                del self._streams[victim]
+                self.evicted_streams += 1
         state = _StreamState(
             P99SpikeDetector(window_size=s.baseline_windows, grace_period=s.grace_windows),
             TailSurprise(pool_size=s.request_pool, grace_requests=s.grace_requests, min_rise=s.min_rise,

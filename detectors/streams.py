@@ -33,17 +33,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["ROUTE_ATTRIBUTES", "StreamKey", "is_generic_operation", "peer_label", "route_attribute",
+__all__ = ["ROUTE_ATTRIBUTES", "UNINSTRUMENTED", "StreamKey", "is_generic_operation", "peer_label", "route_attribute",
            "split_operation"]
 
 HTTP_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "CONNECT", "_OTHER"})
 # Where the route of a request is written (current and older semantic conventions).
 ROUTE_ATTRIBUTES = ("http.route", "url.template")
 # What a CLIENT span says it called, best first: the callee's service name, then its address.
-PEER_ATTRIBUTES = ("peer.service", "server.address", "net.peer.name", "db.system", "rpc.service", "messaging.system")
+PLACE_ATTRIBUTES = ("peer.service", "server.address", "net.peer.name")
+PEER_ATTRIBUTES = (*PLACE_ATTRIBUTES, "db.system", "rpc.service", "messaging.system")
 UNINSTRUMENTED = "(uninstrumented)"
 MAX_CALLEES_IN_NAME = 4
 MAX_SPLIT_NAME = 400
+MAX_PEER_LABEL = 255
 
 
 class StreamKey(NamedTuple):
@@ -90,13 +92,18 @@ def route_attribute(attributes: Mapping[str, Any]) -> str | None:
     return None
 
 
-def peer_label(attributes: Mapping[str, Any]) -> str:
-    """What a CLIENT span with no instrumented callee says it called."""
+def peer_label(attributes: Mapping[str, Any]) -> tuple[str, bool]:
+    """What a CLIENT span with no instrumented callee says it called, and whether that names a place.
+
+    ``peer.service``, ``server.address`` and ``net.peer.name`` name one place (a host, a service); a
+    ``db.system`` such as ``mysql`` only names a kind of thing, which many unrelated places share.
+    """
     for key in PEER_ATTRIBUTES:
         value = attributes.get(key)
         if isinstance(value, str) and value:
-            return value
-    return UNINSTRUMENTED
+            # It names a stream's service: no longer than a service name may be.
+            return value[:MAX_PEER_LABEL], key in PLACE_ATTRIBUTES
+    return UNINSTRUMENTED, False
 
 
 def split_operation(name: str, route: str | None = None, callees: Iterable[str] = ()) -> str:

@@ -4,9 +4,10 @@ Attribution needs whole traces of the last window or two: the slow ones of a
 spike window, and a few normal ones to learn what normal looks like. Storage
 has them too, but reading them back on the writer thread would slow ingest;
 keeping a compact copy of the recent ones is cheaper. Each span is held as a
-plain tuple (no attributes, no payload), about 300 bytes plus its name, and the
-buffer is bounded by a span count and by those bytes (estimated from the name
-lengths, so long span names cannot hold gigabytes): when either is exceeded, the
+plain tuple (no attributes, no payload), about 300 bytes plus its name where
+that is longer than 64 characters (a service and host are one string per
+process, shared). The buffer is bounded by a span count and by those bytes
+(so long span names cannot hold gigabytes): when either is exceeded, the
 oldest traces (by first arrival) go first, whole, and are counted.
 
 >>> from spikehound.model import SpanKind, StatusCode
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from operator import itemgetter
 
 from spikehound.model import Span, SpanKind, StatusCode
 
@@ -35,8 +35,9 @@ __all__ = ["TraceBuffer"]
 
 # (span_id, parent_span_id, service, name, kind, start, end, host)
 Record = tuple[bytes, bytes | None, str, str, int, int, int, str | None]
-RECORD_BYTES = 300  # a record's tuple, ids, times and list slot; its name is counted by length on top
-_NAME = itemgetter(3)  # a span's name may be its own string; its service and host are one per process, shared
+RECORD_BYTES = 300  # a record's tuple, ids, times, list slot and a short name; a longer name counts on top
+SHORT_NAME = 64
+MAX_CALLEES = 64  # where one request went is named by a few; a request that fans out wider is not read further
 
 
 class TraceBuffer:
@@ -54,25 +55,34 @@ class TraceBuffer:
         # a plain dict finds its first key by skipping the slots of every key deleted before it, which made
         # evicting from the front cost more than everything else ingest does.
         self._traces: OrderedDict[bytes, list[Record]] = OrderedDict()
+        self._long_names: dict[bytes, int] = {}  # trace id -> characters in its names longer than SHORT_NAME
+        # trace id -> (children by parent span id, service by span id); valid until the next add()
+        self._index: dict[bytes, tuple[dict[bytes, list[Record]], dict[bytes, str]]] = {}
 
     def add(self, spans: Iterable[Span]) -> None:
         traces = self._traces
+        if self._index:
+            self._index = {}
+        long_names = self._long_names
         added = chars = 0
         for s in spans:
-            records = traces.get(s.trace_id)
+            trace_id = s.trace_id
+            records = traces.get(trace_id)
             if records is None:
-                traces[s.trace_id] = records = []
+                traces[trace_id] = records = []
             name = s.name
             records.append((s.span_id, s.parent_span_id, s.service, name, int(s.kind), s.start_unix_nano,
                             s.end_unix_nano, s.host))
-            chars += len(name)
+            if len(name) > SHORT_NAME:  # rare: counted per trace, so that evicting it need not read its names
+                chars += len(name)
+                long_names[trace_id] = long_names.get(trace_id, 0) + len(name)
             added += 1
         self.spans += added
         self.bytes += added * RECORD_BYTES + chars
         while (self.spans > self.max_spans or self.bytes > self.max_bytes) and traces:
-            evicted = traces.popitem(last=False)[1]
+            trace_id, evicted = traces.popitem(last=False)
             self.spans -= len(evicted)
-            self.bytes -= len(evicted) * RECORD_BYTES + sum(map(len, map(_NAME, evicted)))
+            self.bytes -= len(evicted) * RECORD_BYTES + (long_names.pop(trace_id, 0) if long_names else 0)
             self.evicted_traces += 1
 
     def trace(self, trace_id: bytes) -> list[Span]:
@@ -85,39 +95,54 @@ class TraceBuffer:
     def callees_of(self, trace_id: bytes, span_id: bytes) -> list[str]:
         """What the entry span ``span_id`` called itself: ``"service operation"`` of each SERVER span its own
         CLIENT spans reached (through its service's INTERNAL spans), or the CLIENT span's name where no
-        server answered. Empty when the trace is not buffered.
+        server answered; each once. Empty when the trace is not buffered.
 
         This is where a request with a generic entry name (``/*``) went: for a gateway, the backend route.
+        A span that claims to be its own ancestor (reused span ids) is walked once.
         """
-        records = self._traces.get(trace_id)
-        if not records:
-            return []
-        children: dict[bytes, list[Record]] = {}
-        service = None
-        for r in records:
-            if r[1] is not None:
-                children.setdefault(r[1], []).append(r)
-            if r[0] == span_id:
-                service = r[2]
+        index = self._index.get(trace_id)
+        if index is None:
+            records = self._traces.get(trace_id)
+            if not records:
+                return []
+            # Built once per trace between two add() calls: a trace of many generic entries asks many times.
+            index = self._index[trace_id] = _index(records)
+        children, service_of = index
+        service = service_of.get(span_id)
         if service is None:
             return []
-        out: list[str] = []
+        out: dict[str, None] = {}
+        seen = {span_id}
         stack = [span_id]
         while stack:
             for child in children.get(stack.pop(), ()):
+                if len(out) >= MAX_CALLEES:
+                    return list(out)
                 if child[2] != service:
                     if child[4] == SpanKind.SERVER:  # called without a CLIENT span of its own (not instrumented)
-                        out.append(f"{child[2]} {child[3]}")
+                        out[f"{child[2]} {child[3]}"] = None
                     continue
                 if child[4] == SpanKind.CLIENT:
                     answers = [c for c in children.get(child[0], ()) if c[4] == SpanKind.SERVER]
-                    out += [f"{a[2]} {a[3]}" for a in answers] or [child[3]]
-                elif child[4] == SpanKind.INTERNAL:
+                    for name in [f"{a[2]} {a[3]}" for a in answers] or [child[3]]:
+                        out[name] = None
+                elif child[4] == SpanKind.INTERNAL and child[0] not in seen:
+                    seen.add(child[0])
                     stack.append(child[0])
-        return out
+        return list(out)
 
     def __contains__(self, trace_id: bytes) -> bool:
         return trace_id in self._traces
 
     def __len__(self) -> int:
         return len(self._traces)
+
+
+def _index(records: list[Record]) -> tuple[dict[bytes, list[Record]], dict[bytes, str]]:
+    children: dict[bytes, list[Record]] = {}
+    service_of: dict[bytes, str] = {}
+    for r in records:
+        if r[1] is not None and r[1] != r[0]:  # a span that names itself its parent is no one's child
+            children.setdefault(r[1], []).append(r)
+        service_of[r[0]] = r[2]
+    return children, service_of

@@ -34,7 +34,14 @@ from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
-from detectors.streams import StreamKey, is_generic_operation, peer_label, route_attribute, split_operation
+from detectors.streams import (
+    UNINSTRUMENTED,
+    StreamKey,
+    is_generic_operation,
+    peer_label,
+    route_attribute,
+    split_operation,
+)
 from spikehound.model import LatencyWindow, Span, SpanKind
 
 __all__ = ["LatencyWindows", "RouteOf", "Sample", "nearest_rank"]
@@ -43,6 +50,8 @@ Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end n
 # (trace id, entry span id) -> the operations the entry's own calls reached, for splitting a generic entry
 RouteOf = Callable[[bytes, bytes], list[str]]
 _GENERIC_CACHE_LIMIT = 4096
+_REREAD_LABEL = 64  # of the calls of a (caller, name) that always says the same, one in this many is read again
+_TRUSTED_ANSWERED = 8  # calls of one (caller, name) answered in a row: later ones are not asked where they went
 _NEVER_ANSWERED = 3  # calls of one (caller, name) left unanswered in a row: later ones are named at once
 _EXACT: dict[float, tuple[int, int]] = {}  # quantile -> (numerator, denominator), for nearest_rank
 T = TypeVar("T")
@@ -95,9 +104,10 @@ class LatencyWindows:
     Example (1 s windows, no lateness allowed):
 
     >>> from spikehound.model import SpanKind, StatusCode
-    >>> def span(i, start_ms, end_ms, kind=SpanKind.SERVER, parent=None, service="gateway", name="POST /predict"):
-    ...     return Span(trace_id=bytes([i]) * 16, span_id=bytes([i]) * 8, parent_span_id=parent, service=service,
-    ...                 host=None, name=name, kind=kind, start_unix_nano=start_ms * 1_000_000,
+    >>> def span(i, start_ms, end_ms, kind=SpanKind.SERVER, parent=None, service="gateway", name="POST /predict",
+    ...          trace=None):
+    ...     return Span(trace_id=bytes([trace or i]) * 16, span_id=bytes([i]) * 8, parent_span_id=parent,
+    ...                 service=service, host=None, name=name, kind=kind, start_unix_nano=start_ms * 1_000_000,
     ...                 end_unix_nano=end_ms * 1_000_000, status=StatusCode.UNSET, attributes={})
     >>> lw = LatencyWindows(window_ns=1_000_000_000, allowed_lateness_ns=0)
     >>> lw.add([span(1, 100, 120), span(2, 200, 260), span(3, 900, 1_100)])
@@ -112,7 +122,7 @@ class LatencyWindows:
 
     >>> lw = LatencyWindows(window_ns=1_000_000_000, allowed_lateness_ns=0)
     >>> call = span(4, 10, 90, SpanKind.CLIENT, bytes([9]) * 8, name="HTTP GET")
-    >>> answer = span(5, 20, 80, SpanKind.SERVER, call.span_id, service="model", name="GET /infer")
+    >>> answer = span(5, 20, 80, SpanKind.SERVER, call.span_id, service="model", name="GET /infer", trace=4)
     >>> lw.add([answer, call])
     >>> [(w.peer_service, w.service, w.operation, w.max_ns) for w in lw.flush()]
     [(None, 'model', 'GET /infer', 60000000), ('gateway', 'model', 'GET /infer', 80000000)]
@@ -143,6 +153,16 @@ class LatencyWindows:
         self.dedupe_below = 400
         # (caller, CLIENT span name) -> how many of its calls in a row nobody answered (a database); bounded
         self._never_answered: dict[tuple[str, str], int] = {}
+        # (caller, CLIENT span name) -> how many of its calls in a row were answered; bounded like the streams
+        self._answered_run: dict[tuple[str, str], int] = {}
+        # (caller, CLIENT span name) -> [what it said it called, names a place, said so in a row, calls since
+        # it was last read]; bounded like the streams
+        self._labels: dict[tuple[str, str], list] = {}
+        # (caller, CLIENT span name) -> what its last unanswered call said it called, where it said something;
+        # bounded like the streams. Attribution reads it: a slow query's time was added in the database.
+        self.unanswered_peer: dict[tuple[str, str], str] = {}
+        # Labels of unanswered calls that name a kind of thing (``mysql``), not a place: no locus (bounded).
+        self.kinds: set[str] = set()
 
         self.late_spans = 0
         self.overflow_spans = 0
@@ -151,14 +171,14 @@ class LatencyWindows:
         self._open: dict[int, dict[StreamKey, list[Sample]]] = {}
         # Samples whose stream is known only when their window closes: CLIENT spans (by the callee that
         # answered them) and generic entries without a route (by where they went). window start -> records.
-        self._hops_open: dict[int, list[tuple[int, bytes, bytes, int, str, str, str | None]]] = {}
+        self._hops_open: dict[int, list[tuple[int, bytes, bytes, int, str, str, str | None, bool]]] = {}
         self._generic_open: dict[int, list[tuple[int, bytes, bytes, int, str, str, bool]]] = {}
         # Records that could not be named when their window closed, waiting for the next (see _name_late_streams):
         # window start -> (generic entries, hops).
         self._second_chance: dict[int, tuple[list[tuple[int, bytes, bytes, int, str, str, bool]],
-                                             list[tuple[int, bytes, bytes, int, str, str, str | None]]]] = {}
+                                             list[tuple[int, bytes, bytes, int, str, str, str | None, bool]]]] = {}
         # SERVER spans by their parent (the CLIENT span that called them), bucketed by their own end window so
-        # that the old ones go a window at a time: bucket start -> parent span id -> (service, operation).
+        # that the old ones go a window at a time: bucket start -> trace id + parent span id -> (service, operation).
         self._callees: dict[int, dict[bytes, tuple[str, str]]] = {}
         # Known streams -> largest end time seen on them. This is what the cardinality limit counts. A
         # stream is forgotten in close() once its last span ended more than 2 windows before the watermark;
@@ -185,7 +205,7 @@ class LatencyWindows:
         window_ns, lateness, hops = self.window_ns, self.allowed_lateness_ns, self.hops
         server, client = SpanKind.SERVER, SpanKind.CLIENT
         open_, streams, generic, callees = self._open, self._streams, self._generic, self._callees
-        hops_open = self._hops_open
+        hops_open, answered, labels = self._hops_open, self._answered_run, self._labels
         max_end, watermark, late = self._max_end, self._watermark, 0
         for span in spans:
             kind, parent = span.kind, span.parent_span_id
@@ -205,7 +225,9 @@ class LatencyWindows:
                 bucket = callees.get(start)
                 if bucket is None:
                     callees[start] = bucket = {}
-                bucket[parent] = (span.service, span.name)
+                # Keyed by trace and parent: span ids are unique only within a trace, and another sender's
+                # reused id must not rename someone else's hop.
+                bucket[span.trace_id + parent] = (span.service, span.name)
             if watermark is not None and start + window_ns <= watermark:
                 # Its window is closed (maybe already emitted): counting it now would change a result that
                 # was already reported.
@@ -217,16 +239,39 @@ class LatencyWindows:
             if duration < 0:
                 duration = 0
             name = span.name
-            is_generic = generic.get(name)
-            if is_generic is None:
-                is_generic = self._is_generic(name)
             if kind == client:
-                peer = peer_label(span.attributes) if is_generic else None
+                # What it says it called names a call nobody answers (a database), so that calls from many
+                # services into one database name one place. Reading it decodes the span's attributes, the
+                # dearest thing here: skipped for calls of a (caller, name) whose recent calls were answered.
+                # A call that always says the same (a query into one database) is read one time in
+                # _REREAD_LABEL once it said it _TRUSTED_ANSWERED times in a row.
+                calls = (span.service, name)
+                if answered.get(calls, 0) >= _TRUSTED_ANSWERED:
+                    peer, place = None, False
+                else:
+                    memo = labels.get(calls)
+                    if memo is not None and memo[2] >= _TRUSTED_ANSWERED and memo[3] % _REREAD_LABEL:
+                        memo[3] += 1
+                        peer, place = memo[0], memo[1]
+                    else:
+                        peer, place = peer_label(span.attributes)
+                        if memo is None:
+                            if len(labels) < self.max_streams:
+                                labels[calls] = [peer, place, 1, 1]
+                        elif memo[0] == peer:
+                            memo[2] += 1
+                            memo[3] += 1
+                        else:
+                            memo[0], memo[1], memo[2], memo[3] = peer, place, 1, 1
                 pending = hops_open.get(start)
                 if pending is None:
                     hops_open[start] = pending = []
-                pending.append((duration, span.trace_id, span.span_id, end, span.service, name, peer))
+                # Flat, of atoms only: the garbage collector stops tracking such a tuple after one look.
+                pending.append((duration, span.trace_id, span.span_id, end, span.service, name, peer, place))
                 continue
+            is_generic = generic.get(name)
+            if is_generic is None:
+                is_generic = self._is_generic(name)
             if is_generic:
                 route = route_attribute(span.attributes)
                 if route is None:
@@ -412,13 +457,14 @@ class LatencyWindows:
         empty: dict[bytes, tuple[str, str]] = {}
         here, before, ahead, long_before = (self._callees.get(b, empty) for b in (start, start - w, start + w,
                                                                                     start - 2 * w))
-        unanswered, never = peer_label({}), self._never_answered
+        unanswered, never, answered = UNINSTRUMENTED, self._never_answered, self._answered_run
         for chance, records in enumerate((self._hops_open.pop(start, ()), retried[1])):
             for record in records:
-                duration, trace_id, span_id, end, caller, name, peer = record
-                callee = here.get(span_id) or before.get(span_id) or ahead.get(span_id) or long_before.get(span_id)
+                duration, trace_id, span_id, end, caller, name, peer, place = record
+                calls = (caller, name)
+                key = trace_id + span_id
+                callee = here.get(key) or before.get(key) or ahead.get(key) or long_before.get(key)
                 if callee is None:
-                    calls = (caller, name)
                     # A call that was never answered (a database) need not wait for a second chance.
                     if chance == 0 and never.get(calls, 0) < _NEVER_ANSWERED:
                         later[1].append(record)
@@ -426,9 +472,20 @@ class LatencyWindows:
                     if chance == 1 and len(never) < self.max_streams:
                         never[calls] = never.get(calls, 0) + 1
                     stream = (peer or unanswered, name, caller)
+                    answered.pop(calls, None)  # its next calls are read again
+                    if place and (len(self.unanswered_peer) < self.max_streams or calls in self.unanswered_peer):
+                        self.unanswered_peer[calls] = peer
+                    elif not place and peer != unanswered and len(self.kinds) < self.max_streams:
+                        self.kinds.add(peer)
                 else:
                     if never:
-                        never.pop((caller, name), None)
+                        never.pop(calls, None)
+                    run = answered.get(calls)
+                    if run is None:
+                        if len(answered) < self.max_streams:
+                            answered[calls] = 1
+                    elif run < _TRUSTED_ANSWERED:
+                        answered[calls] = run + 1
                     stream = (callee[0], callee[1], caller)
                 samples = named.get(stream)
                 if samples is None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Self
 
@@ -77,6 +77,23 @@ class CollectorThread:
     def metric(self, name: str, **labels: str) -> float:
         value = self.collector.telemetry.registry.get_sample_value(name, labels)
         return value or 0.0
+
+    def spikes_once_settled(self, timeout: float = 60, done: Callable[[list[dict[str, Any]]], bool] = bool
+                            ) -> list[dict[str, Any]]:
+        """The spikes once the windows counter has stood still for 3 s (every window closed) and ``done``
+        says yes to them (default: at least one window closed)."""
+        deadline = time.monotonic() + timeout
+        last, since = -1.0, time.monotonic()
+        while time.monotonic() < deadline:
+            closed = self.metric("spikehound_latency_windows_closed_total")
+            if closed != last:
+                last, since = closed, time.monotonic()
+            elif time.monotonic() - since > 3 and closed > 0:
+                spikes = requests.get(f"{self.api}/api/v1/spikes", timeout=10).json()["spikes"]
+                if done(spikes):
+                    return spikes
+            time.sleep(0.25)
+        raise AssertionError("the collector did not settle")
 
 
 def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:

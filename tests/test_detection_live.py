@@ -148,6 +148,44 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
         assert spike["baseline_p99_ms"] == earlier["baseline_p99_ms"]
 
 
+def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_comes_back(tmp_path: Path):
+    """SIGKILL after a spike opened and before any checkpoint: the restarted detectors do not know it, so
+    nothing would ever resolve it. It stays open (alerting announces it as any open spike found at start) until
+    event time passes the last window that saw it anomalous; then it is closed there."""
+    sc = _scenario()
+    bodies = scenario_requests(sc)
+    cut = 2 * (int(sc.onset_s) + 25)
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path,
+                                 env={"SPIKEHOUND_DETECTION_CHECKPOINT_SECONDS": "3600"})
+    collector.start()
+    try:
+        send(collector.http_endpoint, bodies[:cut])
+        deadline = time.monotonic() + 30
+        while not [s for s in _spikes(collector.api) if s["state"] == "open"]:
+            assert time.monotonic() < deadline, f"no spike opened before the kill: {collector.log_tail()}"
+            time.sleep(0.25)
+        collector.kill()
+
+        collector.start()
+        assert "start fresh: no checkpoint" in collector.log_text()
+        assert "not in the detectors' checkpoint" in collector.log_text()
+        orphans = {s["id"]: s for s in _spikes(collector.api) if s["state"] == "open"}
+        assert orphans, "the orphaned spike was closed before event time passed it"
+        send(collector.http_endpoint, bodies[cut:])
+        deadline = time.monotonic() + 60
+        after = _spikes(collector.api)
+        while any(s["state"] == "open" for s in after if s["id"] in orphans):
+            assert time.monotonic() < deadline, f"the orphaned spike stayed open: {collector.log_tail()}"
+            time.sleep(0.25)
+            after = _spikes(collector.api)
+    finally:
+        collector.kill()
+    closed = {s["id"]: s for s in after}
+    for spike_id, spike in orphans.items():
+        assert closed[spike_id]["end"] == max(a["last_anomalous_end"] for a in spike["affected_streams"])
+    assert "closed 1 orphaned spike(s) as resolved" in collector.log_text()
+
+
 def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Path):
     from storage import checkpoints
     from storage.engine import make_engine

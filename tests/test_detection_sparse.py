@@ -8,12 +8,10 @@ OTLP/HTTP requests.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from benchmarks.mesh_traffic import MeshFault, MeshTimeline, reach
 from tests.daemons import CollectorThread, collector_config
@@ -29,16 +27,7 @@ def _spikes(timeline: MeshTimeline, tmp_path: Path, timeout: float = 60) -> list
     """Send the timeline; the spikes once the collector has closed every window (the count stopped moving)."""
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}")) as collector:
         send(collector.http_endpoint, scenario_requests(timeline))
-        deadline = time.monotonic() + timeout
-        last, since = -1.0, time.monotonic()
-        while time.monotonic() < deadline:
-            closed = collector.metric("spikehound_latency_windows_closed_total")
-            if closed != last:
-                last, since = closed, time.monotonic()
-            elif time.monotonic() - since > 3 and closed > 0:
-                return requests.get(f"{collector.api}/api/v1/spikes", timeout=10).json()["spikes"]
-            time.sleep(0.25)
-    raise AssertionError("the collector kept closing windows")
+        return collector.spikes_once_settled(timeout, done=lambda _: True)
 
 
 def test_a_delay_in_front_of_a_sparse_service_is_one_spike_naming_the_hop_into_it(tmp_path: Path):

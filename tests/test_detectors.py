@@ -204,6 +204,50 @@ def test_a_cardinality_bomb_keeps_memory_bounded_and_counts_the_overflow():
     assert after_100k < after_20k * 1.3, (after_20k, after_100k)
 
 
+def test_a_flood_of_one_off_names_pushes_out_its_own_kind_not_a_learned_baseline():
+    """The judge is full (max_streams) of one warm stream and cold ones; new one-off names evict the cold."""
+    engine = DetectionEngine(DetectionSettings(max_streams=50))
+    rng = random.Random(5)
+    for k in range(20):  # a stream with a learned baseline
+        _feed(engine, k, _normal(rng, 60))
+    learned = StreamKey("api", "POST /predict")
+    assert engine.judge.is_warm(learned)
+    for k in range(20, 40):  # then 100 one-off names a window, each seen once
+        engine.add([_entry(k * 1000 + j, f"GET /user/{k * 1000 + j}", T0 + k * WINDOW + NS) for j in range(100)])
+        engine.advance()
+    # Four times the table went through eviction; least recently judged, the baseline would have gone first.
+    assert engine.judge.is_warm(learned) and engine.stats()["evicted_streams"] >= 4 * 50
+
+
+def test_only_streams_judged_lately_raise_the_bar():
+    """Yesterday's streams test nothing today: the Bonferroni count is of streams judged in the last ten
+    minutes (event time)."""
+    engine = DetectionEngine(DetectionSettings())
+    rng = random.Random(6)
+    for k in range(20):
+        _feed(engine, k, _normal(rng, 60))
+    now = T0 + 20 * WINDOW
+    assert engine.judge.warm_streams(now) == 1
+    assert engine.judge.warm_streams(now + 11 * 60 * NS) == 0
+
+
+def test_a_chain_of_thousands_of_distinct_spans_costs_a_bounded_walk_and_bounded_memory():
+    """Each span of a 3,000-span parent chain is its own stream; each would learn its normal profile from the
+    critical path below it (the square of the chain's length, in time and in profile components)."""
+    engine = DetectionEngine(DetectionSettings())
+    n, end = 3_000, T0 + 5 * NS
+    ids = [i.to_bytes(8, "big") for i in range(1, n + 1)]
+    engine.add([Span(trace_id=b"\x07" * 16, span_id=sid, parent_span_id=ids[i - 1] if i else None, service="svc",
+                     host=None, name=f"op{i}", kind=SpanKind.SERVER, start_unix_nano=end - 100 * MS + i,
+                     end_unix_nano=end - i, status=StatusCode.UNSET) for i, sid in enumerate(ids)])
+    engine.advance(idle_advance_ns=30 * NS)
+    assert engine.stats()["judged_streams"] == n
+    assert max(len(p.means) for p in engine.profiles.values()) <= 128
+    # Profiles of a few streams near the top of the chain, not 3,000 of them, learned from it.
+    assert sum(1 for p in engine.profiles.values() if p.traces) < 100
+    assert len(engine.snapshot()) < 5 * 2**20
+
+
 def test_the_overflow_is_counted_per_span():
     engine = DetectionEngine(DetectionSettings(max_streams=10))
     t0 = 1_767_225_600 * NS

@@ -125,10 +125,14 @@ class _Mesh:
     """A gateway calling a few services; each call is a CLIENT span and the callee's SERVER span."""
 
     ROUTES = {"POST /book": ["ts-order", "ts-pay"], "GET /search": ["ts-travel"], "GET /orders": ["ts-order"]}
+    # With ``database``: these services query one database that has no spans of its own (CLIENT spans only).
+    QUERIES = {"ts-order": "SELECT orders", "ts-travel": "SELECT trips"}
+    DATABASE = {"db.system": "postgresql", "server.address": "orders-db"}
 
-    def __init__(self, seed: int = 1) -> None:
+    def __init__(self, seed: int = 1, database: bool = False) -> None:
         self.rng = random.Random(seed)
         self.next_id = 1
+        self.database = database
 
     def _span(self, trace: bytes, parent: bytes | None, service: str, name: str, kind: SpanKind, start: int,
               end: int) -> Span:
@@ -150,6 +154,13 @@ class _Mesh:
             work = int(rng.lognormvariate(3.0, 0.3) * MS) + stall
             server = self._span(trace, client.span_id, callee, f"GET /{callee}", SpanKind.SERVER, t + MS,
                                 t + MS + work)
+            if self.database and callee in self.QUERIES:
+                query_ns = int(rng.lognormvariate(1.5, 0.3) * MS) + delay_into.get("orders-db", 0)
+                query = self._span(trace, server.span_id, callee, self.QUERIES[callee], SpanKind.CLIENT,
+                                   t + 2 * MS, t + 2 * MS + query_ns)
+                query.attributes.update(self.DATABASE)
+                server.end_unix_nano += query_ns
+                spans.append(query)
             client.end_unix_nano = server.end_unix_nano + MS + delay_into.get(callee, 0)
             spans += [client, server]
             t, stall = client.end_unix_nano + MS, 0
@@ -158,9 +169,9 @@ class _Mesh:
 
 
 def _run(minutes: int, per_minute: float, fault: tuple[int, int, str, int] | None = None,
-         stall_at: tuple[int, ...] = (), pause_at: int | None = None) -> dict[str, object]:
+         stall_at: tuple[int, ...] = (), pause_at: int | None = None, database: bool = False) -> dict[str, object]:
     """Minutes of traffic second by second through one engine; ``fault`` = (from s, to s, service, ns)."""
-    mesh, engine, spikes = _Mesh(), DetectionEngine(DetectionSettings()), {}
+    mesh, engine, spikes = _Mesh(database=database), DetectionEngine(DetectionSettings()), {}
     rng = random.Random(7)
     for second in range(minutes * 60):
         spans: list[Span] = []
@@ -195,6 +206,19 @@ def test_a_delay_in_front_of_a_sparse_service_opens_one_spike_naming_the_hop_int
     # It was found on the route that reaches it and on the hop into it: one spike, both streams listed.
     assert {(a.service, a.peer_service) for a in spike.affected} >= {("ts-pay", "gateway"), ("gateway", None)}
     assert spike.state == "resolved"
+
+
+def test_a_slow_database_that_two_services_query_is_one_spike_named_by_its_address():
+    # Nobody answers the queries (the database has no spans): each caller's hop is named by what its CLIENT
+    # spans say they called. Both name orders-db, so the fault is one incident, not one per caller.
+    onset, end = 20 * 60, 24 * 60
+    spikes = _run(26, per_minute=9, fault=(onset, end, "orders-db", 1_000 * MS), database=True)
+    assert len(spikes) == 1, [(s.service, s.operation, s.peer_service) for s in spikes.values()]
+    (spike,) = spikes.values()
+    hops = {(a.service, a.operation, a.peer_service) for a in spike.affected if a.peer_service is not None}
+    assert hops >= {("orders-db", "SELECT orders", "ts-order"), ("orders-db", "SELECT trips", "ts-travel")}
+    assert spike.causes and spike.causes[0].service in {"ts-order", "ts-travel"}, spike.causes
+    assert "SELECT" in (spike.causes[0].operation or ""), spike.causes
 
 
 def test_calm_lumpy_traffic_with_lone_stalls_and_a_pause_opens_nothing():

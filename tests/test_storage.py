@@ -352,8 +352,11 @@ def test_hosts_list_their_metric_names_and_when_they_were_last_seen(engine):
                                                     ("hw.gpu.utilization", "system.cpu.utilization"))
 
 
-def test_a_nan_sample_is_rejected_to_its_sender_and_infinity_is_stored(engine):
-    """SQLite would store NaN as NULL: decoding rejects it with a reason; the rest of the request is kept."""
+def test_a_nan_or_infinite_sample_is_rejected_to_its_sender_and_the_rest_is_stored(engine):
+    """SQLite would store NaN as NULL and JSON cannot say infinity: decoding rejects both with a reason.
+
+    The rest of the request is kept.
+    """
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
     from spikehound.otlp import decode_metrics
@@ -365,11 +368,13 @@ def test_a_nan_sample_is_rejected_to_its_sender_and_infinity_is_stored(engine):
     for t, v in ((T0, float("nan")), (T0 + S, 0.5), (T0 + 2 * S, float("inf"))):
         gauge.data_points.add(time_unix_nano=t, as_double=v)
     decoded = decode_metrics(req)
-    assert decoded.rejected == 1 and "NaN" in decoded.errors[0]
+    assert decoded.rejected == 2
+    assert [e.split(": ")[1] for e in decoded.errors] == ["value nan is not a finite number",
+                                                          "value inf is not a finite number"]
     Writer(engine).write(WriteBatch(spans=[make_span(1, 1)], points=decoded.points), now_ns=NOW)
 
     series, _ = Reader(engine).metrics("gpu-1", None, 0, FOREVER)
-    assert [s.points for s in series] == [((T0 + S, 0.5), (T0 + 2 * S, float("inf")))]
+    assert [s.points for s in series] == [((T0 + S, 0.5),)]
     assert len(Reader(engine).trace(tid(1))) == 1
 
 

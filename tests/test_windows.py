@@ -136,6 +136,24 @@ def test_a_hop_nobody_answered_is_named_by_the_client_spans_peer_attributes():
     assert (w.peer_service, w.service, w.operation) == ("api", "payments.internal", "GET")
 
 
+def test_a_database_that_moved_is_named_anew_within_64_calls():
+    """Calls that always say the same are read one time in 64: a new address shows within 64 calls."""
+    lw = LatencyWindows()
+
+    def query(i: int, address: str) -> Span:
+        span = make_span(S + i * 50 * MS, 2 * MS, service="api", name="SELECT users", kind=SpanKind.CLIENT,
+                         parent=b"\x01" * 8)
+        span.trace_id = i.to_bytes(16, "big")
+        span.attributes.update({"db.system": "postgresql", "server.address": address})
+        return span
+
+    lw.add([query(i, "db-1") for i in range(100)] + [query(i, "db-2") for i in range(100, 200)])
+    named: dict[str, int] = {}
+    for w in lw.flush():
+        named[w.service] = named.get(w.service, 0) + w.count
+    assert named["db-2"] >= 100 - 64 and named["db-1"] + named["db-2"] == 200, named
+
+
 def test_a_callee_whose_spans_come_a_window_late_still_names_the_hop():
     lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
     client, server = _call(1, "gateway", "preprocess", "POST /preprocess", 3 * S, 9, 7)

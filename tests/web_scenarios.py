@@ -18,13 +18,10 @@ import atexit
 import functools
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import requests
 
 from benchmarks.traffic import NS, Batch, Scenario
 from spikehound.model import Span
@@ -94,18 +91,8 @@ def spike_database() -> SpikeData:
 
 def _settled(collector: CollectorThread, timeout: float = 60) -> list[dict[str, Any]]:
     """The spikes once every window is closed and every spike resolved (the windows counter stopped)."""
-    deadline = time.monotonic() + timeout
-    last, since = -1.0, time.monotonic()
-    while time.monotonic() < deadline:
-        closed = collector.metric("spikehound_latency_windows_closed_total")
-        if closed != last:
-            last, since = closed, time.monotonic()
-        elif time.monotonic() - since > 3:
-            spikes = requests.get(f"{collector.api}/api/v1/spikes", timeout=10).json()["spikes"]
-            if spikes and all(s["state"] == "resolved" for s in spikes):
-                return spikes
-        time.sleep(0.25)
-    raise AssertionError("the collector did not settle")
+    return collector.spikes_once_settled(timeout, done=lambda spikes: bool(spikes) and all(
+        s["state"] == "resolved" for s in spikes))
 
 
 def collector_on_copy(data: SpikeData, folder: Path, **settings: Any) -> CollectorThread:

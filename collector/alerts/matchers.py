@@ -1,8 +1,9 @@
 """Which spikes a route or a silence covers: shell-style patterns on the streams and on the causes.
 
-A service pattern matches the spike's leading stream or any stream the spike moved (its
+For a route, a service pattern matches the spike's leading stream or any stream the spike moved (its
 ``affected_streams``): a route for ``model-*`` takes the spike led by the gateway route whose calls into the
-model server slowed.
+model server slowed. For a silence it matches the leading stream only: an outage moves every stream, and a
+silence on one of them must not hide it (to silence what a service causes, match ``cause_service``).
 
 Patterns are ``fnmatch`` globs, case-sensitive (``model-*``, ``POST /v1/*``);
 a plain name matches only itself. Every non-empty field must match. The cause
@@ -52,10 +53,12 @@ class SpikeMatcher:
     def on_causes(self) -> bool:
         return bool(self.cause_kinds or self.cause_services or self.cause_resources or self.min_cause_score > 0)
 
-    def matches(self, doc: dict[str, Any]) -> bool:
+    def matches(self, doc: dict[str, Any], moved: bool = True) -> bool:
+        """True when ``doc`` matches; ``moved=False`` matches services on the leading stream only."""
         # A service matches the stream that leads the spike or any stream it moved (a route whose calls
         # into the service slowed is about that service too).
-        if self.services and not any(_any(s, self.services) for s in _services(doc)):
+        services = _services(doc) if moved else [doc["service"]]
+        if self.services and not any(_any(s, self.services) for s in services):
             return False
         if self.operations and not _any(doc["operation"], self.operations):
             return False

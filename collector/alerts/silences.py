@@ -57,7 +57,7 @@ class Silence:
         return "active" if now_ns >= self.starts_at else "pending"
 
     def mutes(self, doc: dict[str, Any], now_ns: int) -> bool:
-        return self.state(now_ns) == "active" and self.matcher.matches(doc)
+        return self.state(now_ns) == "active" and self.matcher.matches(doc, moved=False)
 
     def to_json(self, now_ns: int) -> dict[str, Any]:
         return {"id": self.id, "matchers": self.matchers, "comment": self.comment, "created_by": self.created_by,
