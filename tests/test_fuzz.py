@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -106,9 +107,10 @@ class Stalled(Exception):
 
 
 def run(prop: Property, max_examples: int, seen: Callable[[str], None] | None = None, *,
-        random_seed: int | None = None, stall_seconds: int = 0, **overrides: Any) -> None:
+        random_seed: int | None = None, stall_seconds: int = 0, **overrides: Any) -> Counter[str]:
     """Check ``prop`` on ``max_examples`` generated inputs under the loaded hypothesis profile (or its
-    ``overrides``), from ``random_seed`` when given; ``seen`` is told each input's outcome. With
+    ``overrides``), from ``random_seed`` when given; return how often each outcome came (a failed check
+    raises); ``seen`` is told each input's outcome. With
     ``stall_seconds`` (main thread only) an input that takes longer fails as Stalled instead of hanging."""
 
     def stalled(*_: Any) -> None:
@@ -131,11 +133,14 @@ def run(prop: Property, max_examples: int, seen: Callable[[str], None] | None = 
                 outcome = checked(value)
             finally:
                 alarm(0)
+        outcomes[outcome] += 1
         if seen is not None:
             seen(outcome)
 
+    outcomes: Counter[str] = Counter()
     test = settings(max_examples=max_examples, **overrides)(given(prop.strategy)(check))
     (test if random_seed is None else seed(random_seed)(test))()
+    return outcomes
 
 
 def mostly(good: SearchStrategy[Any], bad: SearchStrategy[Any]) -> SearchStrategy[Any]:
@@ -988,15 +993,20 @@ FAST = 40  # inputs per property in make test; benchmarks/fuzz.py runs thousands
 @pytest.mark.parametrize("prop", [TRACE_PROTOBUF, TRACE_JSON, METRIC_PROTOBUF, METRIC_JSON, ANY_BYTES],
                          ids=lambda p: p.name)
 def test_otlp_bodies_are_refused_with_a_reason_or_decode_to_valid_records_within_the_limits(prop: Property):
-    run(prop, FAST * 2)
+    outcomes = run(prop, FAST * 2)  # each input's invariants are checked in prop.check, which raises
+    # The generated bodies reach both paths: the decoder's refusals and, but for arbitrary bytes, records kept.
+    assert "refused" in outcomes or "rejected" in outcomes, outcomes
+    assert prop is ANY_BYTES or "accepted" in outcomes, outcomes
 
 
 def test_query_parameter_parsers_give_a_value_in_range_or_a_value_error():
-    run(PARSERS, FAST * 5)
+    outcomes = run(PARSERS, FAST * 5)
+    assert outcomes["parsed"] and outcomes["refused"], outcomes
 
 
 def test_replay_reads_or_names_the_bad_record_of_any_file(tmp_path: Path):
-    run(replay_file_property(tmp_path), FAST)
+    outcomes = run(replay_file_property(tmp_path), FAST)
+    assert outcomes["replayed"] and outcomes["refused"], outcomes
 
 
 def test_replay_of_garbled_files_exits_2_naming_the_file_and_record(tmp_path: Path):
