@@ -15,8 +15,8 @@ request; a spike makes dozens slow. On streams whose p99 is set by a few
 stalls, the p99 of normal windows swings by 2x while the count barely moves.
 
 It never learns on its own: the caller decides which windows were normal
-(see :mod:`detectors.spike_tracker`), which keeps a spike out of its own
-baseline.
+(:mod:`detectors.stream_judge` learns only windows outside any incident),
+which keeps a spike out of its own baseline.
 
 >>> import random
 >>> rng = random.Random(7)
