@@ -156,9 +156,9 @@ def cmd_spikes(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from collector.api import spike_json
     from collector.detection import detection_settings
     from collector.replay import replay
+    from collector.rest.serialize import spike_json
     from spikehound.otlp_file import OtlpFileError
 
     cfg = load(args.config)

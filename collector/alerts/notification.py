@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from collector.api import spike_json
+from collector.rest.serialize import spike_json
 from spikehound.model import Spike
 
 ALERT_NAME = "P99LatencySpike"
