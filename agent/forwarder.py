@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
 
 from agent.forward_queue import ForwardQueue
 from agent.intake import DropLog, Dropped, request_sender, split_request
 from agent.spool import Item, Signal
+from spikehound.backoff import Backoff
+from spikehound.otlp import trailer_retry_delay
 
 log = logging.getLogger("spikehound.agent.forwarder")
 
@@ -53,6 +54,7 @@ LINGER_BYTES = 1 << 20  # ... unless this much is already queued
 MAX_MERGED_BYTES = 4 << 20  # the collector accepts 32 MiB; stay well below
 BACKOFF_START = 0.25
 BACKOFF_MAX = 30.0
+BACKOFF_JITTER = (0.5, 1.5)  # each delay drawn between half and one and a half times the step
 REQUEST_TIMEOUT = 30.0
 RECONNECT_BACKOFF_MAX_MS = 5000
 MAX_SEND_BYTES = 64 << 20
@@ -91,14 +93,7 @@ def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = 
 
 def retry_delay(error: grpc.aio.AioRpcError) -> float | None:
     """The delay a ``google.rpc.RetryInfo`` detail asks for, if any."""
-    for key, value in error.trailing_metadata() or ():
-        if key == "grpc-status-details-bin" and isinstance(value, bytes):
-            status = status_pb2.Status.FromString(value)
-            for detail in status.details:
-                info = error_details_pb2.RetryInfo()
-                if detail.Unpack(info):
-                    return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
-    return None
+    return trailer_retry_delay(error.trailing_metadata())
 
 
 def size_limit(error: grpc.aio.AioRpcError) -> int | None:
@@ -148,8 +143,10 @@ class Forwarder:
     def __init__(self, queue: ForwardQueue, collector_url: str, token: str = "",
                  on_change: Callable[[], None] | None = None, *, clock: Callable[[], float] = time.monotonic,
                  backoff_start: float = BACKOFF_START, backoff_max: float = BACKOFF_MAX,
-                 drop_log: DropLog | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
-        """``credentials`` secure an https:// ``collector_url`` (default: gRPC's public CAs, no client certificate)."""
+                 drop_log: DropLog | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 rng: random.Random | None = None) -> None:
+        """``credentials`` secure an https:// ``collector_url`` (default: gRPC's public CAs, no client certificate);
+        ``rng`` draws the backoff's jitter."""
         self.queue = queue
         self.target, tls = parse_target(collector_url)
         credentials = (credentials or grpc.ssl_channel_credentials()) if tls else None
@@ -166,9 +163,9 @@ class Forwarder:
         self.stats = ForwardStats()
         self._on_change = on_change or (lambda: None)
         self._clock = clock
-        self._backoff_start, self._backoff_max = backoff_start, backoff_max
-        self._backoff = backoff_start
-        self._random = random.Random()
+        self._backoff = Backoff(backoff_start, backoff_max, jitter=BACKOFF_JITTER)
+        self._failures = 0  # flushes failed since forwarding last went through
+        self._random = rng or random.Random()
         self._drop_log = drop_log or DropLog(clock=clock)
         self._stalled_since: float | None = None  # first failure since forwarding last went through
         self._warned_at: float | None = None
@@ -247,7 +244,7 @@ class Forwarder:
         if not self.stats.connected:
             log.info("collector reachable; forwarding (%d requests queued)", len(self.queue))
         self.stats.connected = True
-        self._backoff = self._backoff_start
+        self._failures = 0
         self._on_change()
 
     def _drop(self, item: Item, exc: grpc.aio.AioRpcError) -> None:
@@ -345,8 +342,8 @@ class Forwarder:
         self.stats.connected = False
         self._stalled(reason, exc)
         wanted = max((retry_delay(failure) or 0.0 for failure in failures), default=0.0)
-        delay = max(wanted, self._backoff * (0.5 + self._random.random()))
-        self._backoff = min(self._backoff * 2, self._backoff_max)
+        self._failures += 1
+        delay = max(wanted, self._backoff.delay(self._failures, self._random))
         await asyncio.sleep(delay)
 
     def _stalled(self, reason: str, exc: grpc.aio.AioRpcError) -> None:

@@ -24,6 +24,7 @@ from collector.ingest_queue import IngestQueue, Submission
 from collector.retention import RetentionRunner
 from collector.telemetry import CollectorTelemetry
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
+from spikehound.backoff import Backoff
 from spikehound.config import Config
 from spikehound.model import Spike
 from spikehound.text import printable
@@ -39,7 +40,7 @@ NS = 1_000_000_000
 CHECKPOINT_NAME = "detection"
 TICK_SECONDS = 0.5
 RETENTION_INTERVAL_SECONDS = 300.0
-ERROR_BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
+STORAGE_RETRY_BACKOFF = Backoff(initial=0.25, most=5.0)  # 0.25, 0.5, 1, 2, 4, then 5 s between write attempts
 
 
 class StorageUnavailable(Exception):
@@ -329,8 +330,9 @@ class IngestPipeline:
         return detected
 
     async def _backoff(self, exc: Exception) -> None:
-        delay = ERROR_BACKOFF_SECONDS[min(self._failures, len(ERROR_BACKOFF_SECONDS) - 1)]
         self._failures += 1
+        # The step, not a draw: there is one writer, with no crowd of retries to spread out.
+        delay = STORAGE_RETRY_BACKOFF.step(self._failures)
         log.error("storage write failed (%s: %s); senders are told to retry; next try in %.1f s",
                   exc.__class__.__name__, str(exc).splitlines()[0][:200], delay)
         await asyncio.sleep(delay)

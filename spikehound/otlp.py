@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import math
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,10 +54,6 @@ class PayloadError(ValueError):
     """The request as a whole cannot be read (garbage bytes, broken JSON)."""
 
 
-class BodyTooLarge(ValueError):
-    """The request body (after decompression) is larger than allowed."""
-
-
 def retry_trailers(rpc_code: int, message: str, retry_after: int) -> tuple[tuple[str, bytes], ...]:
     """gRPC trailing metadata asking an OTLP exporter to retry after ``retry_after`` seconds.
 
@@ -73,31 +68,21 @@ def retry_trailers(rpc_code: int, message: str, retry_after: int) -> tuple[tuple
             ("google.rpc.retryinfo-bin", info.SerializeToString()))
 
 
-# OTLP/HTTP media types and whether each is JSON.
-MEDIA_TYPES = {"application/x-protobuf": False, "application/protobuf": False, "application/json": True}
+def trailer_retry_delay(trailers: Iterable[tuple[str, str | bytes]] | None) -> float | None:
+    """The seconds a ``google.rpc.RetryInfo`` in gRPC trailing metadata asks for (as ``retry_trailers`` puts it in
+    ``grpc-status-details-bin``); None when there is none.
 
-
-def gunzip(body: bytes, limit: int) -> bytes:
-    """Inflate a gzip body, refusing to grow past ``limit`` bytes (a small gzip bomb stays small).
-
-    >>> import gzip
-    >>> gunzip(gzip.compress(b"x" * 10), limit=100)
-    b'xxxxxxxxxx'
-    >>> gunzip(gzip.compress(b"x" * 1000), limit=100)
-    Traceback (most recent call last):
-    ...
-    spikehound.otlp.BodyTooLarge: decompressed body exceeds 100 bytes
+    >>> trailer_retry_delay(retry_trailers(8, "queue full", 2)), trailer_retry_delay(None)
+    (2.0, None)
     """
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise PayloadError(f"invalid gzip body: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise BodyTooLarge(f"decompressed body exceeds {limit} bytes")
-    if not inflater.eof:
-        raise PayloadError("invalid gzip body: truncated")
-    return out
+    for key, value in trailers or ():
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            status = status_pb2.Status.FromString(value)
+            for detail in status.details:
+                info = error_details_pb2.RetryInfo()
+                if detail.Unpack(info):
+                    return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,6 @@ than 408, 425 and 429, which retrying cannot fix). Dead letters are listed by
 Error texts name the receiver and what happened, never its URL: a Slack
 webhook URL is a credential.
 
->>> import random
->>> [round(backoff(n, 1.0, 300.0, random.Random(1)), 2) for n in (1, 2, 3, 10)]
-[0.57, 1.13, 2.27, 170.15]
 >>> retry_after_seconds("120", now=0.0), retry_after_seconds("Thu, 01 Jan 1970 00:01:00 GMT", now=0.0)
 (120.0, 60.0)
 >>> retry_after_seconds("²", now=0.0), retry_after_seconds("Thu, 01 Jan 99999 00:00:00 GMT", now=0.0)
@@ -42,6 +39,7 @@ import aiohttp
 from collector.alerts.store import AlertStore
 from collector.alerts.telemetry import AlertTelemetry
 from collector.notifiers import Notifier, notifier_for
+from spikehound.backoff import Backoff
 from spikehound.config import AlertsConfig, ReceiverConfig
 from storage.alerts import OutboxRow
 
@@ -53,12 +51,6 @@ MAX_RETRY_AFTER_SECONDS = 3600.0
 IDLE_POLL_SECONDS = 5.0
 _DELTA_SECONDS = re.compile(r"^[0-9]+$")  # ASCII: str.isdigit() also takes '²', which float() refuses
 ERROR_PAUSE_SECONDS = 1.0
-
-
-def backoff(attempts: int, initial: float, most: float, rng: random.Random) -> float:
-    """Delay before attempt ``attempts + 1``: doubling from ``initial`` up to ``most``, between half and all."""
-    base = min(most, initial * 2 ** min(attempts - 1, 60))
-    return base / 2 + rng.random() * base / 2
 
 
 def retry_after_seconds(value: str | None, now: float) -> float | None:
@@ -190,7 +182,9 @@ class OutboxDelivery:
             return
         delay = outcome.retry_after
         if delay is None:
-            delay = backoff(attempts, self.cfg.backoff_initial_seconds, self.cfg.backoff_max_seconds, self.rng)
+            # Read from the configuration each time: a reload may change it.
+            backoff = Backoff(self.cfg.backoff_initial_seconds, self.cfg.backoff_max_seconds)
+            delay = backoff.delay(attempts, self.rng)
         await self.store.record_attempt(row.id, state="pending", attempts=attempts,
                                         next_attempt_at=int((now + delay) * NS), last_error=outcome.error)
         self.telemetry.attempts.labels(row.receiver, "retry").inc()
