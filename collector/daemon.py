@@ -19,16 +19,14 @@ import grpc
 from aiohttp import web
 
 from collector.alerts.alerting import Alerting, public_url
-from collector.alerts.api import add_alert_routes
-from collector.api import make_api
 from collector.cross_site import Site
 from collector.exported_metrics import install_exported_metrics
 from collector.ingest import Ingest
 from collector.ingest_queue import IngestQueue
-from collector.jaeger_api import add_jaeger_api
 from collector.otlp_grpc import start_grpc
 from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
+from collector.rest.app import build_app
 from collector.telemetry import CollectorTelemetry
 from collector.tls import ServerTls, describe
 from spikehound.config import Config, check_otlp_exposure, redact_url
@@ -102,9 +100,7 @@ class Collector:
                         "(collector.allow_unauthenticated_otlp = true): any host that reaches them can send data")
         try:
             site = Site.from_config(c, links=self._links(c.api.port))  # the hosts and origin it answers to
-            api = make_api(Reader(engine), self.telemetry, self._ready, c.api_token, site)
-            add_jaeger_api(api)
-            add_alert_routes(api, self.alerting)
+            api = build_app(Reader(engine), self.telemetry, self._ready, c.api_token, self.alerting, site)
             runner, self.api_port = await start_http(
                 api, c.api, "API" + describe(tls, c.api_tls_client_ca_file),
                 ssl_context=tls.http_context(c.api_tls_client_ca_file) if tls else None)

@@ -8,7 +8,6 @@ or ``Unavailable``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 from collector.ingest_queue import ByteBudget, IngestQueue, QueueFull
 from collector.pipeline import StorageUnavailable
+from collector.rest.auth import bearer_ok as bearer_ok  # re-exported: collector/otlp_http.py imports it from here
 from collector.telemetry import CollectorTelemetry
 from spikehound.config import CollectorConfig
 from spikehound.otlp import Decoded, Limits
@@ -52,13 +52,6 @@ class Unavailable(Exception):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-def bearer_ok(header: str | None, token: str) -> bool:
-    """True when no token is configured or the Authorization header carries it."""
-    if not token:
-        return True
-    return header is not None and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
 def limits_of(c: CollectorConfig) -> Limits:

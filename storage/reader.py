@@ -1,22 +1,26 @@
-"""Read queries behind the REST API; each one is served by an index of ``storage.schema``.
+"""Every read query of the REST API, the Jaeger API and the web pages: :class:`Reader`, each query served by an
+index of ``storage.schema``.
 
-Functions return model records or small plain tuples; the API turns them into
-JSON. They are synchronous (the collector runs them in a thread pool).
+Methods return model records or small plain tuples; the API turns them into
+JSON, the pages into HTML. They are synchronous (the collector runs them in a
+thread pool). Trace search and the dependency graph scan span blocks in
+``storage.trace_search``; the Reader is their interface too.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from sqlalchemy import Engine, and_, func, or_, select
 
-from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Span, Spike
+from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, MetricKind, Span, Spike
 from spikehound.otlp import spans_of_trace
-from storage import schema
+from storage import schema, trace_search
+from storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQuery
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
 
@@ -35,6 +39,18 @@ class MetricSeries:
     attributes: dict[str, Any]
     unit: str
     points: tuple[tuple[int, float], ...]  # (time ns, value), oldest first
+
+
+@dataclass(slots=True, frozen=True)
+class KindedSeries:
+    """One stored metric series with its kind and its points in a range, oldest first (the pages' charts)."""
+
+    host: str
+    name: str
+    attributes: dict[str, Any]
+    kind: MetricKind
+    unit: str
+    points: tuple[tuple[int, float], ...]  # (time ns, value)
 
 
 class Reader:
@@ -210,6 +226,73 @@ class Reader:
                 if digest not in seen:
                     seen.add(digest)
                     yield data
+
+
+    # --- trace search and the dependency graph (the Jaeger query API) -----------------------------
+
+    def find_trace_ids(self, query: TraceQuery, max_scanned_spans: int = MAX_SCANNED_SPANS) -> list[bytes]:
+        """Ids of traces matching ``query``, the one with the latest matching span first, at most ``query.limit``."""
+        return trace_search.find_trace_ids(self.engine, query, max_scanned_spans)
+
+    def traces(self, trace_ids: Iterable[bytes]) -> dict[bytes, list[Span]]:
+        """The spans of several traces, each oldest first; unknown ids are left out."""
+        return trace_search.traces(self.engine, trace_ids)
+
+    def dependencies(self, since_ns: int, until_ns: int,
+                     max_spans: int = MAX_DEPENDENCY_SPANS) -> list[tuple[str, str, int]]:
+        """``(parent service, child service, calls)`` for spans starting in the range whose parent is elsewhere."""
+        return trace_search.dependencies(self.engine, since_ns, until_ns, max_spans)
+
+    # --- what only the web pages ask ------------------------------------------------------------
+
+    def recent_windows(self, lookback_ns: int) -> list[LatencyWindow]:
+        """Every service's windows of its last ``lookback_ns`` (before its newest window), by service and start.
+
+        Per service, the newest window start is found through the (service, start)
+        index, and the windows from ``lookback_ns`` before it are read through the same
+        index. A service that went quiet a day ago shows its last minutes of a day ago.
+        """
+        w, o = schema.latency_windows, schema.operations
+        out: list[LatencyWindow] = []
+        with self.engine.connect() as conn:
+            services = conn.execute(select(o.c.service).distinct().order_by(o.c.service)).scalars().all()
+            for service in services:
+                newest = conn.execute(select(func.max(w.c.start_ns)).where(w.c.service == service)).scalar()
+                if newest is None:
+                    continue
+                rows = conn.execute(select(w).where(w.c.service == service, w.c.start_ns >= newest - lookback_ns,
+                                                    w.c.peer_service == "")  # entry streams: the service's own
+                                    .order_by(w.c.start_ns, w.c.operation)).all()
+                out += [window_of(r) for r in rows]
+        return out
+
+    def host_series(self, host: str, names: Sequence[str], since_ns: int, until_ns: int, *,
+                    skip_attribute_keys: Collection[str] = (), max_points_per_series: int = 20_000
+                    ) -> list[KindedSeries]:
+        """The series of ``host`` named in ``names`` with their points in [since, until), with their kind so that
+        a page can turn counters into rates.
+
+        Series whose point attributes hold any of ``skip_attribute_keys`` are not
+        read at all (per-CPU series when the page wants the whole machine). Each
+        series keeps at most ``max_points_per_series`` points, the oldest.
+        """
+        m, p = schema.metric_series, schema.metric_points
+        out: list[KindedSeries] = []
+        with self.engine.connect() as conn:
+            for name in names:
+                series = conn.execute(select(m).where(m.c.host == host, m.c.name == name)
+                                      .order_by(m.c.attributes)).all()
+                for row in series:
+                    attributes = orjson.loads(row.attributes)
+                    if any(key in attributes for key in skip_attribute_keys):
+                        continue
+                    points = conn.execute(select(p.c.t_ns, p.c.value)
+                                          .where(p.c.series_id == row.id, p.c.t_ns >= since_ns, p.c.t_ns < until_ns)
+                                          .order_by(p.c.t_ns).limit(max_points_per_series)).all()
+                    if points:
+                        out.append(KindedSeries(row.host, row.name, attributes, MetricKind(row.kind), row.unit,
+                                                tuple((t, v) for t, v in points)))
+        return out
 
 
 def window_of(row: Any) -> LatencyWindow:

@@ -1,4 +1,5 @@
-"""Trace search and the service dependency graph over stored span blocks (behind the Jaeger query API).
+"""Trace search and the service dependency graph over stored span blocks (behind the Jaeger query API, which
+calls them through ``storage.reader.Reader``).
 
 A search names a service and a range of span start times; ``span_block_services`` (indexed by service and
 latest start) gives the blocks that hold spans of that service in the range, and with ``min_duration_ns`` only

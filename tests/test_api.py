@@ -9,11 +9,12 @@ from pathlib import Path
 import grpc
 import pytest
 import requests
+from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector.alerts.api import add_alert_routes
-from collector.api import make_api
+from collector.rest import jaeger
+from collector.rest.app import build_app
 from collector.web.routes import is_web_path
 from spikehound.model import AffectedStream, Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
@@ -61,11 +62,15 @@ def test_health_and_metrics(sqlite_collector: CollectorThread):
 def test_openapi_documents_every_route(sqlite_collector: CollectorThread):
     doc = requests.get(f"{sqlite_collector.api}/api/v1/openapi.json", timeout=5).json()
     assert doc["openapi"].startswith("3.")
-    app = make_api(reader=None, telemetry=sqlite_collector.collector.telemetry, ready=None, token="")  # type: ignore[arg-type]
-    add_alert_routes(app, sqlite_collector.collector.alerting)
-    # The web pages (HTML under /ui/) are not part of the JSON API.
+    app = build_app(reader=None, telemetry=sqlite_collector.collector.telemetry, ready=None, token="",  # type: ignore[arg-type]
+                    alerting=sqlite_collector.collector.alerting)
+    # The web pages (HTML under /ui/) and the Jaeger API (Jaeger's own) are not part of spikehound's JSON API.
+    jaeger_app = web.Application()
+    jaeger.add_routes(jaeger_app)
+    jaeger_routes = {r.resource.canonical for r in jaeger_app.router.routes()}
     routes = {(r.resource.canonical, r.method.lower()) for r in app.router.routes()
-              if r.method != "HEAD" and not is_web_path(r.resource.canonical)}
+              if r.method != "HEAD" and not is_web_path(r.resource.canonical)
+              and r.resource.canonical not in jaeger_routes}
     documented = {(path, method) for path, operations in doc["paths"].items() for method in operations}
     assert routes - {("/api/v1/openapi.json", "get")} == documented
     for schema in ("Span", "Spike", "Cause"):

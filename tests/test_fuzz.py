@@ -72,8 +72,8 @@ from schemathesis import Case, GenerationMode
 from benchmarks.api_fuzz import ANSWER_CHECKS, check_known, loaded_collector, logged_errors
 from benchmarks.traffic import Scenario
 from collector.analysis import parse_selection
-from collector.api import ApiError, whole_number
-from collector.jaeger_api import go_duration_ns, parse_trace_id
+from collector.rest.common import ApiError, whole_number
+from collector.rest.jaeger import go_duration_ns, parse_trace_id
 from spikehound import cli
 from spikehound.model import MetricKind, SpanKind, StatusCode
 from spikehound.otlp import (

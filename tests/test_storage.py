@@ -29,7 +29,7 @@ from spikehound.model import (
 )
 from spikehound.otlp import count_items, decode_spans, encode_span, encode_spans, set_any_value
 from storage import reader as reader_module
-from storage import retention, trace_search
+from storage import retention
 from storage.engine import make_engine
 from storage.migrate import current_revision, head_revision, upgrade
 from storage.reader import HostSummary, MetricSeries, Reader, count_rows
@@ -681,12 +681,12 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
                                             ["spikes USING COVERING INDEX", "SEARCH causes"]),
     # The Jaeger query API: trace search, traces by id, the dependency graph.
     "trace search by service and time": (
-        lambda r: trace_search.find_trace_ids(r.engine, TraceQuery("gateway", T0, T0 + 3600 * S, limit=5)),
+        lambda r: r.find_trace_ids(TraceQuery("gateway", T0, T0 + 3600 * S, limit=5)),
         ["SEARCH span_block_services USING INDEX ix_span_block_services_search (service=? AND max_start_ns>?)",
          "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
-    "traces by id": (lambda r: trace_search.traces(r.engine, [tid(1), tid(2)]),
+    "traces by id": (lambda r: r.traces([tid(1), tid(2)]),
                      ["SEARCH trace_blocks", "(trace_id=?)", "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
-    "dependencies": (lambda r: [trace_search.dependencies(r.engine, T0, T0 + 3600 * S)],  # [] is an answer too
+    "dependencies": (lambda r: [r.dependencies(T0, T0 + 3600 * S)],  # [] is an answer too
                      ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>?)"]),
     # compare and the serving analyses: the blocks of an event-time range, however long ago.
     "span blocks of a time range": (lambda r: list(r.span_payloads(T0, T0 + 3600 * S)),

@@ -1,9 +1,10 @@
-"""Trace search and the dependency graph over stored span blocks (storage/trace_search.py), on both databases."""
+"""Trace search and the dependency graph over stored span blocks (storage/trace_search.py, read through
+storage.reader.Reader), on both databases."""
 
 from __future__ import annotations
 
 from spikehound.model import SpanKind
-from storage import trace_search
+from storage.reader import Reader
 from storage.trace_search import TraceQuery
 from storage.writer import WriteBatch, Writer
 from tests import test_storage
@@ -25,7 +26,7 @@ def test_search_reads_only_the_service_and_range_asked_and_the_newest_matches_co
                       start=start + MS, duration=(i + 1) * 90 * MS, attributes={"batch.size": 2 ** i})]), now_ns=NOW)
 
     def ids(**query) -> list[int]:
-        found = trace_search.find_trace_ids(engine, TraceQuery(**{"start_ns": T0, "end_ns": T0 + HOUR, **query}))
+        found = Reader(engine).find_trace_ids(TraceQuery(**{"start_ns": T0, "end_ns": T0 + HOUR, **query}))
         return [int.from_bytes(t, "big") for t in found]
 
     assert ids(service="gateway") == [6, 5, 4, 3, 2, 1]
@@ -37,9 +38,9 @@ def test_search_reads_only_the_service_and_range_asked_and_the_newest_matches_co
     assert ids(service="gateway", start_ns=T0 + 2 * S, end_ns=T0 + 3 * S) == [4, 3]  # start times, inclusive
     assert ids(service="nobody") == []
 
-    spans = trace_search.traces(engine, [tid(3), tid(99)])
+    spans = Reader(engine).traces([tid(3), tid(99)])
     assert list(spans) == [tid(3)] and [s.service for s in spans[tid(3)]] == ["gateway", "model-server"]
-    assert trace_search.dependencies(engine, T0, T0 + HOUR) == [("gateway", "model-server", 6)]
+    assert Reader(engine).dependencies(T0, T0 + HOUR) == [("gateway", "model-server", 6)]
 
 
 def test_a_search_stops_after_its_scan_budget(engine):
@@ -47,9 +48,9 @@ def test_a_search_stops_after_its_scan_budget(engine):
     for i in range(5):
         writer.write(WriteBatch(spans=[make_span(i + 1, 1, start=T0 + i * S)]), now_ns=NOW)
     query = TraceQuery("gateway", T0, T0 + HOUR, conditions=(lambda s: False,))
-    assert trace_search.find_trace_ids(engine, query, max_scanned_spans=2) == []
+    assert Reader(engine).find_trace_ids(query, max_scanned_spans=2) == []
     budgeted = TraceQuery("gateway", T0, T0 + HOUR, limit=100)
-    assert trace_search.find_trace_ids(engine, budgeted, max_scanned_spans=2) == [tid(5), tid(4)]  # newest blocks
+    assert Reader(engine).find_trace_ids(budgeted, max_scanned_spans=2) == [tid(5), tid(4)]  # newest blocks
 
 
 def test_a_retried_request_is_searched_and_counted_once(engine):
@@ -59,7 +60,7 @@ def test_a_retried_request_is_searched_and_counted_once(engine):
     writer.write(batch, now_ns=NOW)
     writer.write(batch, now_ns=NOW + S)  # the sender retried after a lost answer: the same spans again
 
-    assert trace_search.find_trace_ids(engine, TraceQuery("model-server", T0, T0 + HOUR)) == [tid(1)]
-    assert [s.span_id for s in trace_search.traces(engine, [tid(1)])[tid(1)]] == [b"\0" * 7 + b"\1",
+    assert Reader(engine).find_trace_ids(TraceQuery("model-server", T0, T0 + HOUR)) == [tid(1)]
+    assert [s.span_id for s in Reader(engine).traces([tid(1)])[tid(1)]] == [b"\0" * 7 + b"\1",
                                                                                   b"\0" * 7 + b"\2"]
-    assert trace_search.dependencies(engine, T0, T0 + HOUR) == [("gateway", "model-server", 1)]
+    assert Reader(engine).dependencies(T0, T0 + HOUR) == [("gateway", "model-server", 1)]

@@ -27,7 +27,6 @@ from collector.web.routes import STATIC
 from collector.web.waterfall import layout
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
-from storage.page_queries import host_series, recent_windows
 from tests.daemons import CollectorThread, collector_config
 from tests.scenario_io import scenario_requests, send
 from tests.test_storage import FULL_SCAN, T0, planned  # noqa: F401 - planned is a fixture
@@ -267,10 +266,10 @@ def test_the_login_form_sets_the_session_and_goes_back_where_it_came_from(guarde
 def test_the_pages_queries_are_served_by_indexes(planned):  # noqa: F811 - the fixture imported above
     reader, statements = planned
     for call, required in (
-            (lambda: recent_windows(reader.engine, 300 * 10**9),
+            (lambda: reader.recent_windows(300 * 10**9),
              ["operations USING COVERING INDEX", "SEARCH latency_windows USING COVERING INDEX "
               "ix_latency_windows_service_start (service=?)", "(service=? AND start_ns>?)"]),
-            (lambda: host_series(reader.engine, "gpu-1", ["hw.gpu.utilization"], T0, T0 + 3600 * 10**9),
+            (lambda: reader.host_series("gpu-1", ["hw.gpu.utilization"], T0, T0 + 3600 * 10**9),
              ["SEARCH metric_series USING INDEX", "(host=? AND name=?)",
               "SEARCH metric_points USING INDEX", "(series_id=? AND t_ns>? AND t_ns<?)"])):
         statements.clear()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spikehound.model import Cause, LatencyWindow, MetricKind
-from storage.page_queries import KindedSeries
+from storage.reader import KindedSeries
 
 NS = 1_000_000_000
 MAX_BUCKETS = 360

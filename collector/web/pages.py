@@ -9,7 +9,6 @@ collector only, as a second line of defence.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -18,23 +17,23 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import jinja2
+import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from collector.ingest import bearer_ok
+from collector.rest.auth import bearer_ok
+from collector.rest.common import run_blocking
 from collector.web import charts, links, session
 from collector.web.streams import streams_now
 from collector.web.waterfall import Group, Row, Waterfall, layout, mark_grown
 from spikehound.model import Cause, CauseKind, Span, Spike
 from spikehound.timefmt import NS, parse_time, rfc3339
-from storage.page_queries import host_series, recent_windows
 from storage.reader import Reader
 
 log = logging.getLogger("spikehound.web")
-T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
@@ -121,8 +120,6 @@ def format_attribute(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list | dict):
-        import orjson
-
         return orjson.dumps(value, default=str).decode()
     return str(value)
 
@@ -161,9 +158,6 @@ class WebPages:
         self.env.globals.update(static=static_url, links=links, auth=bool(token))
 
     # --- plumbing -----------------------------------------------------------------------------
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def render(self, template: str, **context: Any) -> str:
         return self.env.get_template(template).render(**context)
@@ -243,7 +237,7 @@ class WebPages:
         return web.Response(status=303, headers={"Location": links.PREFIX + "/"})
 
     async def overview(self, request: web.Request) -> web.Response:
-        return self._html(await self._run(self.overview_html))
+        return self._html(await run_blocking(self.executor, self.overview_html))
 
     def overview_html(self) -> str:
         open_spikes = self.reader.spikes(state="open", limit=100)
@@ -251,7 +245,7 @@ class WebPages:
         open_by_stream: dict[tuple[str, str], Spike] = {}
         for s in open_spikes:
             open_by_stream.setdefault((s.service, s.operation), s)
-        streams = streams_now(recent_windows(self.reader.engine, STREAM_LOOKBACK_NS))
+        streams = streams_now(self.reader.recent_windows(STREAM_LOOKBACK_NS))
         streams.sort(key=lambda s: ((s.window.service, s.window.operation) not in open_by_stream,
                                     s.window.service, s.window.operation))
         return self.render("overview.html", open_spikes=open_spikes, recent=recent, streams=streams,
@@ -273,7 +267,7 @@ class WebPages:
             error = "The start of the range must be before its end."
         if error:
             self.rejected.labels("bad_request").inc()
-        html = await self._run(self.spikes_html, service, state, since, until, error, dict(q))
+        html = await run_blocking(self.executor, self.spikes_html, service, state, since, until, error, dict(q))
         return self._html(html, 400 if error else 200)
 
     def spikes_html(self, service: str | None, state: str | None, since: int | None, until: int | None,
@@ -287,7 +281,7 @@ class WebPages:
                            limit=SPIKE_LIST_LIMIT, presets=presets)
 
     async def spike(self, request: web.Request) -> web.Response:
-        status, html = await self._run(self.spike_html, request.match_info["spike_id"])
+        status, html = await run_blocking(self.executor, self.spike_html, request.match_info["spike_id"])
         return self._html(html, status)
 
     def spike_html(self, spike_id: str) -> tuple[int, str]:
@@ -317,8 +311,8 @@ class WebPages:
         panels = [charts.latency_panel(shown, axis, spike.baseline_p99_ns / 1e6, before)]
         hosts = []
         for host in charts.hosts_of(spike.causes):
-            series = host_series(r.engine, host, charts.panel_metric_names(spike.causes, host), axis.since_ns,
-                                 axis.until_ns, skip_attribute_keys=("cpu.logical_number",))
+            series = r.host_series(host, charts.panel_metric_names(spike.causes, host), axis.since_ns,
+                                   axis.until_ns, skip_attribute_keys=("cpu.logical_number",))
             host_panels = charts.host_panels(host, series, axis, spike.causes, first_id=len(panels))
             panels += host_panels
             hosts.append((host, host_panels))
@@ -355,7 +349,7 @@ class WebPages:
         if not _TRACE_ID.match(trace_id):
             raise PageError(400, "bad_request", "Not a trace id", "A trace id is 32 hexadecimal digits.")
         expand = request.query.get("expand") or None
-        return self._html(await self._run(self.trace_html, trace_id.lower(), expand))
+        return self._html(await run_blocking(self.executor, self.trace_html, trace_id.lower(), expand))
 
     def trace_html(self, trace_id: str, expand: str | None = None) -> str:
         spans = self.reader.trace(bytes.fromhex(trace_id))

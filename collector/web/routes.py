@@ -1,4 +1,4 @@
-"""Wires the web pages into the API's aiohttp application, under ``/ui/``.
+"""Wires the web pages into the API's aiohttp application (``collector.rest.app``), under ``/ui/``.
 
 ==============================  ==============================================
 ``/``                           redirects to the overview
@@ -18,14 +18,13 @@ so the login page has its style sheet.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
 
+from collector.rest.common import API_TOKEN, EXECUTOR, READER, TELEMETRY
 from collector.web.links import PREFIX
 from collector.web.pages import WebPages
-from storage.reader import Reader
 
 STATIC = Path(__file__).parent / "static"
 # Scripts and styles from the collector only: even a value that escaped escaping could not run.
@@ -39,13 +38,13 @@ def is_web_path(path: str) -> bool:
     return path in ("/", PREFIX) or path.startswith(PREFIX + "/")
 
 
-def add_web_pages(app: web.Application, reader: Reader, executor: ThreadPoolExecutor, token: str,
-                  registry: object) -> WebPages:
-    """Add the pages' routes to ``app`` (the API's application); ``registry`` counts refused requests."""
+def add_routes(app: web.Application) -> None:
+    """Add the pages' routes to ``app`` (the API's application): they read through its reader on its executor,
+    check its token, and count refused requests in its telemetry's registry."""
     static = app.router.add_static(f"{PREFIX}/static", STATIC, name="web-static", append_version=True)
     urls = {p.relative_to(STATIC).as_posix(): str(static.url_for(filename=p.relative_to(STATIC).as_posix()))
             for p in STATIC.rglob("*") if p.is_file()}
-    pages = WebPages(reader, executor, token, registry, urls.__getitem__)  # type: ignore[arg-type]
+    pages = WebPages(app[READER], app[EXECUTOR], app[API_TOKEN], app[TELEMETRY].registry, urls.__getitem__)
     app[WEB_PAGES] = pages
     r = app.router
     r.add_get("/", pages.root)
@@ -59,7 +58,6 @@ def add_web_pages(app: web.Application, reader: Reader, executor: ThreadPoolExec
     r.add_post(f"{PREFIX}/login", pages.login)
     r.add_post(f"{PREFIX}/logout", pages.logout)
     app.on_response_prepare.append(_security_headers)
-    return pages
 
 
 async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -1,4 +1,4 @@
-"""The alert endpoints of the REST API: silences, and the outbox with its dead letters.
+"""The alert routes of the REST API: silences, and the outbox with its dead letters.
 
 ``POST /api/v1/silences`` takes ``{"matchers": {"service": "gateway", ...},
 "ends_at": "2026-12-01T18:00:00Z" | "duration_seconds": 3600, "comment",
@@ -17,19 +17,28 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from collector.alerts.alerting import Alerting
 from collector.alerts.silences import FIELDS, Silence
-from collector.api import ApiError, _json, _limit, whole_number
-from collector.openapi import TIME, _limit_param, _nullable, _obj, _query, _whole
+from collector.rest.common import ALERTING, ApiError, json_response, limit_param, whole_number
+from collector.rest.openapi import (
+    BAD_REQUEST,
+    NOT_FOUND,
+    TIME,
+    OpenApiFragment,
+    json_body,
+    limit_query,
+    nullable,
+    query_param,
+    schema_object,
+    whole_schema,
+)
 from spikehound.timefmt import rfc3339
 from storage.alerts import OutboxRow
 
-ALERTING = web.AppKey("alerting", Alerting)
 INT64_MAX = 2**63 - 1  # storage's ids are 64-bit
 
 
-def add_alert_routes(app: web.Application, alerting: Alerting) -> None:
-    app[ALERTING] = alerting
+def add_routes(app: web.Application) -> None:
+    """The routes; they act on ``app[ALERTING]``."""
     r = app.router
     r.add_get("/api/v1/silences", list_silences)
     r.add_post("/api/v1/silences", create_silence)
@@ -61,7 +70,7 @@ async def create_silence(request: web.Request) -> web.Response:
         silence = await alerting.create_silence(body)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    return _json(silence.to_json(int(alerting.clock() * 1e9)), 201)
+    return json_response(silence.to_json(int(alerting.clock() * 1e9)), 201)
 
 
 async def list_silences(request: web.Request) -> web.Response:
@@ -71,7 +80,7 @@ async def list_silences(request: web.Request) -> web.Response:
     alerting = request.app[ALERTING]
     now_ns = int(alerting.clock() * 1e9)
     found = await alerting.silences(include_expired=state == "all")
-    return _json({"silences": [s.to_json(now_ns) for s in found]})
+    return json_response({"silences": [s.to_json(now_ns) for s in found]})
 
 
 async def get_silence(request: web.Request) -> web.Response:
@@ -79,7 +88,7 @@ async def get_silence(request: web.Request) -> web.Response:
     row = await alerting.store.silence(request.match_info["silence_id"])
     if row is None:
         raise ApiError(404, f"silence {request.match_info['silence_id']} not found")
-    return _json(Silence.from_row(row).to_json(int(alerting.clock() * 1e9)))
+    return json_response(Silence.from_row(row).to_json(int(alerting.clock() * 1e9)))
 
 
 async def delete_silence(request: web.Request) -> web.Response:
@@ -87,15 +96,15 @@ async def delete_silence(request: web.Request) -> web.Response:
     silence = await alerting.expire_silence(request.match_info["silence_id"])
     if silence is None:
         raise ApiError(404, f"silence {request.match_info['silence_id']} not found")
-    return _json(silence.to_json(int(alerting.clock() * 1e9)))
+    return json_response(silence.to_json(int(alerting.clock() * 1e9)))
 
 
 async def list_outbox(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
     if state not in (None, "pending", "delivered", "dead"):
         raise ApiError(400, "state must be pending, delivered or dead")
-    rows = await request.app[ALERTING].outbox(state, _limit(request, 100, 1000))
-    return _json({"notifications": [outbox_json(r) for r in rows]})
+    rows = await request.app[ALERTING].outbox(state, limit_param(request, 100, 1000))
+    return json_response({"notifications": [outbox_json(r) for r in rows]})
 
 
 def _row_id(request: web.Request) -> int:
@@ -107,7 +116,7 @@ async def get_outbox(request: web.Request) -> web.Response:
     row = await request.app[ALERTING].outbox_row(_row_id(request))
     if row is None:
         raise ApiError(404, f"notification {request.match_info['row_id']} not found")
-    return _json(outbox_json(row, body=True))
+    return json_response(outbox_json(row, body=True))
 
 
 async def retry_outbox(request: web.Request) -> web.Response:
@@ -120,67 +129,67 @@ async def retry_outbox(request: web.Request) -> web.Response:
         raise ApiError(409, f"notification {row_id} is {row.state}; only dead letters are retried")
     row = await alerting.outbox_row(row_id)
     assert row is not None
-    return _json(outbox_json(row))
+    return json_response(outbox_json(row))
 
 
-# --- the OpenAPI description of these routes (merged into /api/v1/openapi.json) ----------------------------
+# --- the OpenAPI description of these routes --------------------------------------------------
 
-
-def _body(ref: str) -> dict[str, Any]:
-    return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
-
-
-OPENAPI_SCHEMAS: dict[str, Any] = {
-    "Silence": _obj({"id": {"type": "string"},
-                     "matchers": {"type": "object", "properties": {k: {"type": "string"} for k in FIELDS},
-                                  "description": "shell-style patterns; all must match (cause fields: one cause)"},
-                     "comment": {"type": "string"}, "created_by": {"type": "string"}, "starts_at": TIME,
-                     "ends_at": TIME, "created_at": TIME, "state": {"enum": ["pending", "active", "expired"]}}),
-    "NewSilence": _obj({"matchers": {"type": "object", "properties": {k: {"type": "string"} for k in FIELDS}},
-                        "starts_at": {"type": ["string", "number"], "description": "default now"},
-                        "ends_at": {"type": ["string", "number"], "description": "RFC 3339 or unix seconds"},
-                        "duration_seconds": {"type": "number", "description": "instead of ends_at"},
-                        "comment": {"type": "string"}, "created_by": {"type": "string"}}, ["matchers"]),
-    "Silences": _obj({"silences": {"type": "array", "items": {"$ref": "#/components/schemas/Silence"}}}),
-    "Notification": _obj({
+SCHEMAS: dict[str, Any] = {
+    "Silence": schema_object({
+        "id": {"type": "string"},
+        "matchers": {"type": "object", "properties": {k: {"type": "string"} for k in FIELDS},
+                     "description": "shell-style patterns; all must match (cause fields: one cause)"},
+        "comment": {"type": "string"}, "created_by": {"type": "string"}, "starts_at": TIME,
+        "ends_at": TIME, "created_at": TIME, "state": {"enum": ["pending", "active", "expired"]}}),
+    "NewSilence": schema_object({
+        "matchers": {"type": "object", "properties": {k: {"type": "string"} for k in FIELDS}},
+        "starts_at": {"type": ["string", "number"], "description": "default now"},
+        "ends_at": {"type": ["string", "number"], "description": "RFC 3339 or unix seconds"},
+        "duration_seconds": {"type": "number", "description": "instead of ends_at"},
+        "comment": {"type": "string"}, "created_by": {"type": "string"}}, ["matchers"]),
+    "Silences": schema_object({"silences": {"type": "array", "items": {"$ref": "#/components/schemas/Silence"}}}),
+    "Notification": schema_object({
         "id": {"type": "integer"}, "idempotency_key": {"type": "string"}, "receiver": {"type": "string"},
         "route": {"type": "string"}, "group_id": {"type": "string"}, "status": {"enum": ["firing", "resolved"]},
         "state": {"enum": ["pending", "delivered", "dead"]}, "attempts": {"type": "integer"},
-        "created_at": TIME, "next_attempt_at": _nullable("string"), "delivered_at": _nullable("string"),
-        "last_error": _nullable("string"), "body": {"type": "object", "description": "only for one notification"}},
+        "created_at": TIME, "next_attempt_at": nullable("string"), "delivered_at": nullable("string"),
+        "last_error": nullable("string"), "body": {"type": "object", "description": "only for one notification"}},
         ["id", "idempotency_key", "receiver", "route", "status", "state", "attempts", "created_at"]),
-    "Notifications": _obj({"notifications": {"type": "array",
-                                             "items": {"$ref": "#/components/schemas/Notification"}}}),
+    "Notifications": schema_object({"notifications": {"type": "array",
+                                                      "items": {"$ref": "#/components/schemas/Notification"}}}),
 }
 
-_NOT_FOUND = {"404": {"$ref": "#/components/responses/NotFound"}}
-_BAD = {"400": {"$ref": "#/components/responses/BadRequest"}}
 _SILENCE_ID = [{"name": "silence_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-_ROW_ID = [{"name": "row_id", "in": "path", "required": True, "schema": _whole(1, INT64_MAX)}]
+_ROW_ID = [{"name": "row_id", "in": "path", "required": True, "schema": whole_schema(1, INT64_MAX)}]
 
-OPENAPI_PATHS: dict[str, Any] = {
+PATHS: dict[str, Any] = {
     "/api/v1/silences": {
         "get": {"summary": "Silences not yet expired (state=all: also the expired ones)",
-                "parameters": [_query("state", "active (default) or all", schema={"enum": ["active", "all"]})],
-                "responses": {"200": {"description": "silences, newest first", **_body("Silences")}, **_BAD}},
+                "parameters": [query_param("state", "active (default) or all", schema={"enum": ["active", "all"]})],
+                "responses": {"200": {"description": "silences, newest first", **json_body("Silences")},
+                              **BAD_REQUEST}},
         "post": {"summary": "Silence alerts whose spike matches, until ends_at",
-                 "requestBody": {"required": True, **_body("NewSilence")},
-                 "responses": {"201": {"description": "the silence", **_body("Silence")}, **_BAD}}},
+                 "requestBody": {"required": True, **json_body("NewSilence")},
+                 "responses": {"201": {"description": "the silence", **json_body("Silence")}, **BAD_REQUEST}}},
     "/api/v1/silences/{silence_id}": {
         "get": {"summary": "One silence", "parameters": _SILENCE_ID,
-                "responses": {"200": {"description": "the silence", **_body("Silence")}, **_NOT_FOUND}},
+                "responses": {"200": {"description": "the silence", **json_body("Silence")}, **NOT_FOUND}},
         "delete": {"summary": "End a silence now (it stays listed as expired)", "parameters": _SILENCE_ID,
-                   "responses": {"200": {"description": "the expired silence", **_body("Silence")}, **_NOT_FOUND}}},
+                   "responses": {"200": {"description": "the expired silence", **json_body("Silence")}, **NOT_FOUND}}},
     "/api/v1/alerts/outbox": {"get": {
         "summary": "Notifications, newest first; state=dead lists the dead letters",
-        "parameters": [_query("state", "pending, delivered or dead", schema={"enum": ["pending", "delivered", "dead"]}),
-                       _limit_param("most (default 100)", 1000)],
-        "responses": {"200": {"description": "notifications", **_body("Notifications")}, **_BAD}}},
+        "parameters": [query_param("state", "pending, delivered or dead",
+                                   schema={"enum": ["pending", "delivered", "dead"]}),
+                       limit_query("most (default 100)", 1000)],
+        "responses": {"200": {"description": "notifications", **json_body("Notifications")}, **BAD_REQUEST}}},
     "/api/v1/alerts/outbox/{row_id}": {"get": {
         "summary": "One notification with the body it sends", "parameters": _ROW_ID,
-        "responses": {"200": {"description": "the notification", **_body("Notification")}, **_BAD, **_NOT_FOUND}}},
+        "responses": {"200": {"description": "the notification", **json_body("Notification")}, **BAD_REQUEST,
+                      **NOT_FOUND}}},
     "/api/v1/alerts/outbox/{row_id}/retry": {"post": {
         "summary": "Send a dead-lettered notification again", "parameters": _ROW_ID,
-        "responses": {"200": {"description": "queued again", **_body("Notification")}, **_BAD, **_NOT_FOUND,
-                      "409": {"description": "not a dead letter", **_body("Error")}}}},
+        "responses": {"200": {"description": "queued again", **json_body("Notification")}, **BAD_REQUEST, **NOT_FOUND,
+                      "409": {"description": "not a dead letter", **json_body("Error")}}}},
 }
+
+OPENAPI = OpenApiFragment(paths=PATHS, schemas=SCHEMAS)

@@ -23,24 +23,22 @@ reference and links ``FOLLOWS_FROM`` references; times and durations are in micr
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from collector.api import EXECUTOR, READER
+from collector.rest.common import EXECUTOR, READER, run_blocking
+from collector.rest.openapi import OpenApiFragment
 from spikehound.model import Span, StatusCode
 from spikehound.timefmt import MAX_NS, MIN_NS
-from storage import trace_search
 from storage.trace_search import TraceQuery
 
 log = logging.getLogger("spikehound.collector.jaeger_api")
-T = TypeVar("T")
 
 DEFAULT_LIMIT = 100  # Jaeger's default number of traces
 MAX_LIMIT = 1_500  # the most Jaeger's UI asks for
@@ -90,7 +88,7 @@ def _jaeger(handler: Handler) -> Handler:
     return wrapped
 
 
-def add_jaeger_api(app: web.Application) -> None:
+def add_routes(app: web.Application) -> None:
     """Add the Jaeger query routes to the REST API application (before it starts)."""
     r = app.router
     r.add_get("/api/services", _jaeger(get_services))
@@ -98,10 +96,6 @@ def add_jaeger_api(app: web.Application) -> None:
     r.add_get("/api/traces", _jaeger(find_traces))
     r.add_get("/api/traces/{trace_id}", _jaeger(get_trace))
     r.add_get("/api/dependencies", _jaeger(get_dependencies))
-
-
-async def _run(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(request.app[EXECUTOR], fn, *args)
 
 
 # --- parameters -------------------------------------------------------------------------------
@@ -270,13 +264,13 @@ def _tag_condition(tags: dict[str, str]) -> Callable[[Span], bool]:
 
 
 async def get_services(request: web.Request) -> web.Response:
-    services = [name for name, _ in await _run(request, request.app[READER].services)]
+    services = [name for name, _ in await run_blocking(request.app[EXECUTOR], request.app[READER].services)]
     return _answer(services, total=len(services))
 
 
 async def get_operations(request: web.Request) -> web.Response:
     wanted = request.match_info["service"]
-    services = dict(await _run(request, request.app[READER].services))
+    services = dict(await run_blocking(request.app[EXECUTOR], request.app[READER].services))
     operations = services.get(wanted, [])
     return _answer(operations, total=len(operations))
 
@@ -287,7 +281,7 @@ async def get_trace(request: web.Request) -> web.Response:
         trace_id = parse_trace_id(raw)
     except ValueError as exc:
         raise JaegerError(400, str(exc)) from None
-    spans = await _run(request, request.app[READER].trace, trace_id)
+    spans = await run_blocking(request.app[EXECUTOR], request.app[READER].trace, trace_id)
     if not spans:
         raise JaegerError(404, "trace not found")
     return _answer([jaeger_trace(trace_id, spans)])
@@ -295,14 +289,14 @@ async def get_trace(request: web.Request) -> web.Response:
 
 async def find_traces(request: web.Request) -> web.Response:
     q = request.query
-    engine = request.app[READER].engine
+    reader = request.app[READER]
     ids = q.getall("traceID", [])
     if ids:
         try:
             wanted = [parse_trace_id(i) for i in ids]
         except ValueError as exc:
             raise JaegerError(400, f"cannot parse traceID param: {exc}") from None
-        found = await _run(request, trace_search.traces, engine, wanted)
+        found = await run_blocking(request.app[EXECUTOR], reader.traces, wanted)
         errors = [{"msg": "trace not found", "traceID": jaeger_trace_id(t)} for t in wanted if t not in found]
         return _answer([jaeger_trace(t, found[t]) for t in wanted if t in found], errors=errors or None)
     service = q.get("service", "")
@@ -321,18 +315,22 @@ async def find_traces(request: web.Request) -> web.Response:
                        conditions=(_tag_condition(tags),) if tags else ())
 
     def search() -> list[dict[str, Any]]:
-        trace_ids = trace_search.find_trace_ids(engine, query)
-        found = trace_search.traces(engine, trace_ids)
+        trace_ids = reader.find_trace_ids(query)
+        found = reader.traces(trace_ids)
         return [jaeger_trace(t, found[t]) for t in trace_ids if t in found]
 
-    return _answer(await _run(request, search))
+    return _answer(await run_blocking(request.app[EXECUTOR], search))
 
 
 async def get_dependencies(request: web.Request) -> web.Response:
     end_ms = _int_param(request, "endTs", time.time_ns() // 1_000_000, *_MS_RANGE)
     lookback_ms = _int_param(request, "lookback", 0, 0, _MS_RANGE[1] - _MS_RANGE[0]) or DEFAULT_DEPENDENCY_LOOKBACK_MS
-    links = await _run(request, trace_search.dependencies, request.app[READER].engine,
-                       max(MIN_NS, (end_ms - lookback_ms) * 1_000_000), end_ms * 1_000_000)
+    links = await run_blocking(request.app[EXECUTOR], request.app[READER].dependencies,
+                               max(MIN_NS, (end_ms - lookback_ms) * 1_000_000), end_ms * 1_000_000)
     service = request.query.get("service")
     return _answer([{"parent": parent, "child": child, "callCount": n} for parent, child, n in links
                     if not service or service in (parent, child)])
+
+
+# Jaeger's API is Jaeger's to document: /api/v1/openapi.json describes spikehound's own API only.
+OPENAPI = OpenApiFragment()
