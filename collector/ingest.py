@@ -16,7 +16,6 @@ from typing import Any
 
 from collector.ingest_queue import ByteBudget, IngestQueue, QueueFull
 from collector.pipeline import StorageUnavailable
-from collector.rest.auth import bearer_ok as bearer_ok  # re-exported: collector/otlp_http.py imports it from here
 from collector.telemetry import CollectorTelemetry
 from spikehound.config import CollectorConfig
 from spikehound.otlp import Decoded, Limits

@@ -23,7 +23,8 @@ from google.protobuf.message import Message
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable, bearer_ok
+from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable
+from collector.rest.auth import bearer_ok
 from spikehound.otlp import (
     Decoded,
     PayloadError,
