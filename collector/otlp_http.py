@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import PayloadEncodingError
 from google.protobuf.message import Message
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
@@ -93,17 +92,12 @@ class HttpReceiver:
                 return response
             try:
                 body = await read_body(request, framing, self.max_request_bytes)
-            except ConnectionError as exc:
-                # The sender hung up mid-upload: routine for a client that timed out or was killed, so no
-                # traceback; the answer below goes nowhere.
-                self.ingest.telemetry.aborted_requests.labels("http").inc()
-                log.debug("OTLP/HTTP sender %s hung up mid-upload: %s", request.remote, exc)
-                return status_response(400, "the request body did not arrive", as_json)
-            except PayloadEncodingError as exc:  # a broken chunked encoding
-                counted.labels("http", "bad_payload").inc()
-                return status_response(400, f"unreadable request body: {exc.message}", as_json)
-            except Refused as refused:  # over the limit, or a broken gzip
-                counted.labels("http", refused.reason).inc()
+            except Refused as refused:
+                if refused.reason == "aborted":  # no traceback: a sender that timed out or was killed
+                    self.ingest.telemetry.aborted_requests.labels("http").inc()
+                    log.debug("OTLP/HTTP sender %s hung up mid-upload", request.remote)
+                else:
+                    counted.labels("http", refused.reason).inc()
                 return refused.response
             try:
                 admission.need(len(body))

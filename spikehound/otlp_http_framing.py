@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.rpc import code_pb2, status_pb2
@@ -94,15 +95,19 @@ def request_framing(request: web.Request, *, name_supported: bool) -> Framing:
 
 
 async def read_body(request: web.Request, framing: Framing, max_bytes: int) -> bytes:
-    """The request's body, inflated when gzipped; Refused (413 past ``max_bytes``, 400 for a broken gzip).
-
-    A sender that hangs up (ConnectionError) or a broken chunked encoding (aiohttp's PayloadEncodingError) is
-    left to the caller.
+    """The request's body, inflated when gzipped; else Refused: 413 past ``max_bytes``, 400 for a broken gzip
+    or chunked encoding (reason ``bad_payload``), 400 for a sender that hung up mid-upload (reason ``aborted``:
+    routine for a client that timed out or was killed; the answer goes nowhere).
     """
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:  # past the application's client_max_size
         raise Refused("too_large", too_large_response(max_bytes, framing.as_json)) from None
+    except ConnectionError:
+        raise Refused("aborted", status_response(400, "the request body did not arrive", framing.as_json)) from None
+    except PayloadEncodingError as exc:
+        raise Refused("bad_payload", status_response(400, f"unreadable request body: {exc.message}",
+                                                     framing.as_json)) from None
     if not framing.gzipped:
         return body
     try:

@@ -7,19 +7,25 @@ of its own; a span alone over the limit is refused to its sender in ``partial_su
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agent.enrich import Enricher
 from agent.forward_queue import ForwardQueue
 from agent.intake import Intake
+from agent.otlp_http import http_app
 from agent.spool import DiskSpool, Item, Signal
 from spikehound.otlp import PayloadError
+from tests.support.waiting import eventually
 
 LIMIT = 8192
 IDENTITY = {"host.name": "gpu-node-3", "host.id": "5f2c" * 8, "nvidia.gpu.uuids": [f"GPU-{n:032x}" for n in range(8)]}
@@ -119,3 +125,32 @@ def test_a_span_alone_over_the_limit_is_refused_to_its_sender_and_the_rest_queue
     assert len(queue) == 0
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "'llm-server'" in errors[0], errors  # once per sender, not per span
+
+
+def test_the_agents_http_receiver_counts_an_abandoned_upload_without_a_traceback(queue, caplog):
+    """A sender that timed out or was killed mid-upload is routine: counted, no error logged, still serving."""
+    caplog.set_level(logging.INFO)
+    intake = Intake(Enricher(IDENTITY), queue)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(http_app(intake, LIMIT))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    port = runner.addresses[0][1]
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    head = b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-protobuf\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + b"Content-Length: 100000\r\n\r\n" + b"\x0a" * 100)  # then hangs up
+        eventually(lambda: intake.invalid_requests["http"] == 1, "the abandoned upload to be counted", timeout=10)
+        request = trace_request(("prefill", 10))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + f"Content-Length: {len(request)}\r\n\r\n".encode() + request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+        assert span_names([item.payload for item in queued(queue)]) == ["prefill@0"]
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(timeout=10)
+        loop.close()
