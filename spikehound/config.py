@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+from spikehound.model import CauseKind
+
 ENV_PREFIX = "SPIKEHOUND_"
 ENV_CONFIG_FILE = "SPIKEHOUND_CONFIG"  # names the TOML file; not itself a setting
 # Variables of the client commands (``spikehound spikes``), not settings of a daemon.
@@ -269,7 +271,7 @@ class RouteConfig:
     # Shell-style patterns (``model-*``); a spike matches when each non-empty list has a match.
     services: list[str] = field(default_factory=list)
     operations: list[str] = field(default_factory=list)
-    # One of the spike's causes must have one of these kinds (span, service, network, resource) ...
+    # One of the spike's causes must have one of these kinds (values of spikehound.model.CauseKind) ...
     cause_kinds: list[str] = field(default_factory=list)
     # ... and, when given, one of these resources (metric names such as hw.gpu.utilization) ...
     cause_resources: list[str] = field(default_factory=list)
@@ -592,10 +594,11 @@ def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:
         if route.name in routes:
             raise ConfigError(f"{where}: the route name {route.name!r} is used twice (give routes distinct names)")
         routes.add(route.name)
-        unknown = set(route.cause_kinds) - {"span", "service", "network", "resource"}
+        kinds = [k.value for k in CauseKind]
+        unknown = set(route.cause_kinds) - set(kinds)
         if unknown:
-            raise ConfigError(f"{where} ({route.name}): cause_kinds {sorted(unknown)} are not span, service, "
-                              "network or resource")
+            raise ConfigError(f"{where} ({route.name}): cause_kinds {sorted(unknown)} are not "
+                              f"{', '.join(kinds[:-1])} or {kinds[-1]}")
         for key in ("min_cause_score", "min_duration_seconds", "group_wait_seconds", "group_interval_seconds",
                     "repeat_interval_seconds", "resolve_wait_seconds"):
             if getattr(route, key) < 0:

@@ -196,6 +196,8 @@ class LatencyWindow:
 
 
 class CauseKind(enum.StrEnum):
+    """What a cause blames; the one list of kinds (config checks, alert matchers and the API's enum read it)."""
+
     SPAN = "span"
     SERVICE = "service"
     NETWORK = "network"

@@ -7,14 +7,21 @@ HTTP is tested in test_alert_delivery.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
+import orjson
 import pytest
 
 from collector.alerts.routing import GroupState, Router
 from collector.alerts.silences import Silence
+from collector.rest.serialize import spike_json
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
-from spikehound.model import Cause, CauseKind, Spike
+from spikehound.model import AffectedStream, Cause, CauseKind, Spike
+
+ROOT = Path(__file__).resolve().parents[1]
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -66,7 +73,7 @@ def config(*routes: RouteConfig) -> AlertsConfig:
 
 def sent(router: Router) -> list[tuple[str, str, tuple[str, ...]]]:
     """(receiver, status, spike ids) of every notification due now."""
-    return [(n.receiver, n.status, tuple(a.spike["id"] for a in n.alerts)) for n in router.evaluate().notifications]
+    return [(n.receiver, n.status, tuple(a.spike.id for a in n.alerts)) for n in router.evaluate().notifications]
 
 
 @pytest.fixture
@@ -135,7 +142,7 @@ def test_the_group_key_keeps_the_first_top_cause_while_causes_are_re_ranked(cloc
     clock.tick(4 * 3600)
     (repeat,) = router.evaluate().notifications
     assert repeat.group_id == note.group_id and repeat.idempotency_key != note.idempotency_key
-    assert repeat.alerts[0].spike["causes"][0]["kind"] == "network"  # the message shows the latest ranking
+    assert repeat.alerts[0].spike.causes[0].kind == CauseKind.NETWORK  # the message shows the latest ranking
 
 
 def test_minimum_severity_and_duration(clock):
@@ -271,3 +278,31 @@ def test_saved_state_continues_without_a_second_page(clock):
     assert resolved.status == "resolved" and resolved.group_id == first.group_id
     assert resolved.idempotency_key != first.idempotency_key
     assert GroupState.from_json(saved[0][2]).seq == 1
+
+
+def test_a_saved_group_holds_the_spike_as_the_api_shows_it_and_restores_it_exactly(clock):
+    # The saved form predates typed routing: groups saved by an earlier version must restore, and it must read ours.
+    moved = AffectedStream(service="model-server", operation="POST /infer", peer_service="gateway",
+                           start_unix_nano=T0 + 123_456_789, last_anomalous_end_unix_nano=T0 + 20 * S + 1,
+                           p99_ns=180_654_321, baseline_p99_ns=40_000_007, evidence=14.2, slow_requests=31)
+    s = replace(spike(1, causes=(GPU_DROP, NETWORK), p99_ms=221.123457), peer_service="edge", affected=(moved,))
+    router = Router(config(RouteConfig(receiver="oncall")), clock=clock)
+    router.observe([s])
+    ((_, state),) = router.evaluate().saved.values()
+
+    (alert,) = orjson.loads(state)["alerts"].values()
+    assert alert["spike"] == {**spike_json(s), "start_ns": s.start_unix_nano, "end_ns": None,
+                              "detected_ns": s.detected_unix_nano}
+    restored = GroupState.from_json(state)
+    assert next(iter(restored.alerts.values())).spike == s
+    assert restored.to_json() == state
+
+
+def test_routing_loads_no_web_framework():
+    """Routing is pure bookkeeping: importing it, and the notifiers, loads neither aiohttp nor jinja2."""
+    code = ("import sys, collector.alerts.routing, collector.alerts.silences, collector.notifiers.slack, "
+            "collector.notifiers.webhook\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'jinja2'}))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+
+    assert loaded.stdout.strip() == "[]"

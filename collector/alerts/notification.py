@@ -5,12 +5,14 @@ cause), so that a spike which ends and comes back on the same stream for the
 same reason is the same alert, not a new one. Alerts are grouped by (route,
 service, top cause), and one notification covers one group.
 
->>> doc = {"id": "ab12", "service": "gateway", "operation": "POST /v1/predict", "causes": [
-...     {"kind": "span", "service": "preprocess", "operation": "SELECT features", "peer_service": None,
-...      "host": "gpu-1", "resource": None, "score": 0.9}]}
->>> cause_label(doc)
+>>> from spikehound.model import Cause, CauseKind, Spike
+>>> spike = Spike(id="ab12", service="gateway", operation="POST /v1/predict", state="open", start_unix_nano=0,
+...               end_unix_nano=None, p99_ns=300_000_000, baseline_p99_ns=100_000_000, causes=(
+...     Cause(kind=CauseKind.SPAN, score=0.9, summary="slow query", service="preprocess",
+...           operation="SELECT features", host="gpu-1"),))
+>>> cause_label(spike)
 'span preprocess: SELECT features'
->>> fingerprint(alert_labels(doc))
+>>> fingerprint(alert_labels(spike))
 'b949e4c45482a96b'
 """
 
@@ -22,47 +24,42 @@ from typing import Any
 
 import orjson
 
-from collector.rest.serialize import spike_json
-from spikehound.model import Spike
+from spikehound.model import AffectedStream, CauseKind, Spike
 
 ALERT_NAME = "P99LatencySpike"
 NO_CAUSE = "no cause found yet"
 
 
-def spike_doc(spike: Spike) -> dict[str, Any]:
-    """The spike as the API shows it, plus what routing needs (event-time ns of start and detection)."""
-    doc = spike_json(spike)
-    doc["start_ns"] = spike.start_unix_nano
-    doc["end_ns"] = spike.end_unix_nano
-    doc["detected_ns"] = spike.detected_unix_nano
-    return doc
+def milliseconds(ns: int) -> float:
+    """A duration as alerts state it, like the API: nanoseconds / 10**6."""
+    return ns / 1e6
 
 
-def ratio(doc: dict[str, Any]) -> float:
+def ratio(spike: Spike) -> float:
     """How many times its baseline the spike's p99 is (the severity routes filter on)."""
-    baseline = doc["baseline_p99_ms"]
-    return doc["p99_ms"] / baseline if baseline > 0 else float("inf")
+    # Divided in milliseconds, the unit the API states both in, so that a receiver dividing them gets this number.
+    baseline = milliseconds(spike.baseline_p99_ns)
+    return milliseconds(spike.p99_ns) / baseline if baseline > 0 else float("inf")
 
 
-def cause_label(doc: dict[str, Any]) -> str:
+def cause_label(spike: Spike) -> str:
     """The top cause in a few words; with the service it names the alert's group."""
-    if not doc["causes"]:
+    if not spike.causes:
         return NO_CAUSE
-    c = doc["causes"][0]
-    kind = c["kind"]
-    if kind == "span":
-        return f"span {c['service']}: {c['operation']}"
-    if kind == "network":
-        return f"network {c['peer_service']} -> {c['service']}: {c['operation']}"
-    if kind == "resource":
-        return f"resource {c['resource']} on {c['host']}"
-    return f"service {c['service']}"
+    c = spike.causes[0]
+    if c.kind == CauseKind.SPAN:
+        return f"span {c.service}: {c.operation}"
+    if c.kind == CauseKind.NETWORK:
+        return f"network {c.peer_service} -> {c.service}: {c.operation}"
+    if c.kind == CauseKind.RESOURCE:
+        return f"resource {c.resource} on {c.host}"
+    return f"service {c.service}"
 
 
-def alert_labels(doc: dict[str, Any]) -> dict[str, str]:
-    causes = doc["causes"]
-    return {"alertname": ALERT_NAME, "service": doc["service"], "operation": doc["operation"],
-            "cause": cause_label(doc), "cause_kind": causes[0]["kind"] if causes else "none"}
+def alert_labels(spike: Spike) -> dict[str, str]:
+    """The labels that identify the alert of ``spike``'s stream under its top cause."""
+    return {"alertname": ALERT_NAME, "service": spike.service, "operation": spike.operation,
+            "cause": cause_label(spike), "cause_kind": spike.causes[0].kind.value if spike.causes else "none"}
 
 
 def fingerprint(labels: dict[str, str]) -> str:
@@ -80,7 +77,7 @@ class AlertItem:
     annotations: dict[str, str]
     starts_at_ns: int  # event time
     ends_at_ns: int | None  # event time; None while firing
-    spike: dict[str, Any]  # the API's Spike, with "url" and "ratio"
+    spike: Spike
     spike_url: str
     trace_url: str | None  # the spike's slowest trace
 
@@ -105,32 +102,38 @@ class Notification:
         return tuple(a for a in self.alerts if a.status == "firing")
 
 
-def stream_label(stream: dict[str, Any]) -> str:
-    """A stream of the API's Spike or AffectedStream in words: ``service operation``, a hop as
+def stream_label(stream: Spike | AffectedStream) -> str:
+    """A spike's leading stream or an affected one in words: ``service operation``, a hop as
     ``caller -> callee operation``."""
-    what = f"{stream['service']} {stream['operation']}"
-    return f"{stream['peer_service']} -> {what}" if stream.get("peer_service") else what
+    what = f"{stream.service} {stream.operation}"
+    return f"{stream.peer_service} -> {what}" if stream.peer_service else what
 
 
-def affected_summary(doc: dict[str, Any], shown: int = 3) -> str | None:
+def affected_summary(spike: Spike, shown: int = 3) -> str | None:
     """The other streams the spike moved, in one line (None when it moved only its own).
 
-    >>> affected_summary({"affected_streams": [
-    ...     {"service": "gw", "operation": "GET /a", "peer_service": None, "p99_ms": 900.0, "baseline_p99_ms": 300.0},
-    ...     {"service": "db", "operation": "SELECT", "peer_service": "api", "p99_ms": 2100.0, "baseline_p99_ms": 9.0}]})
+    >>> from spikehound.model import AffectedStream
+    >>> def moved(service, operation, caller, p99_ms, baseline_ms):
+    ...     return AffectedStream(service=service, operation=operation, peer_service=caller, start_unix_nano=0,
+    ...                           last_anomalous_end_unix_nano=0, p99_ns=int(p99_ms * 1e6),
+    ...                           baseline_p99_ns=int(baseline_ms * 1e6), evidence=20.0)
+    >>> affected_summary(Spike(id="s", service="gw", operation="GET /a", state="open", start_unix_nano=0,
+    ...                        end_unix_nano=None, p99_ns=900_000_000, baseline_p99_ns=300_000_000, affected=(
+    ...     moved("gw", "GET /a", None, 900.0, 300.0), moved("db", "SELECT", "api", 2100.0, 9.0))))
     'It also moved 1 stream: api -> db SELECT (p99 2100.0 ms against 9.0 ms).'
     """
-    others = doc.get("affected_streams", [])[1:]
+    others = spike.affected[1:]
     if not others:
         return None
-    parts = [f"{stream_label(a)} (p99 {a['p99_ms']:.1f} ms against {a['baseline_p99_ms']:.1f} ms)"
+    parts = [f"{stream_label(a)} (p99 {milliseconds(a.p99_ns):.1f} ms against "
+             f"{milliseconds(a.baseline_p99_ns):.1f} ms)"
              for a in others[:shown]]
     more = f" and {len(others) - shown} more" if len(others) > shown else ""
     noun = "stream" if len(others) == 1 else "streams"
     return f"It also moved {len(others)} {noun}: {'; '.join(parts)}{more}."
 
 
-def describe(doc: dict[str, Any]) -> str:
+def describe(spike: Spike) -> str:
     """One line: the stream, its p99 against the baseline."""
-    return (f"p99 of {stream_label(doc)} is {doc['p99_ms']:.1f} ms against a baseline of "
-            f"{doc['baseline_p99_ms']:.1f} ms ({ratio(doc):.1f}x)")
+    return (f"p99 of {stream_label(spike)} is {milliseconds(spike.p99_ns):.1f} ms against a baseline of "
+            f"{milliseconds(spike.baseline_p99_ns):.1f} ms ({ratio(spike):.1f}x)")

@@ -60,9 +60,10 @@ from collector.alerts.notification import (
     cause_label,
     describe,
     fingerprint,
+    milliseconds,
     ratio,
-    spike_doc,
 )
+from collector.alerts.saved_spike import from_saved_form, saved_form
 from collector.alerts.silences import Silence
 from collector.web.links import spike_page_url, trace_page_path
 from spikehound.config import AlertsConfig, RouteConfig
@@ -79,7 +80,7 @@ class AlertState:
 
     fingerprint: str
     labels: dict[str, str]
-    spike: dict[str, Any]  # the latest spike, as the API shows it
+    spike: Spike  # the latest state of the alert's latest spike
     starts_at: int  # event time ns of the spike that began this episode
     open_spikes: list[str] = field(default_factory=list)
     spike_ids: list[str] = field(default_factory=list)
@@ -89,6 +90,17 @@ class AlertState:
     @property
     def firing(self) -> bool:
         return bool(self.open_spikes)
+
+    def to_doc(self) -> dict[str, Any]:
+        """The alert as its group's saved state holds it."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc["spike"] = saved_form(self.spike)
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> AlertState:
+        """The alert a saved group state holds."""
+        return cls(**{**doc, "spike": from_saved_form(doc["spike"])})
 
 
 @dataclass(slots=True)
@@ -110,14 +122,15 @@ class GroupState:
     held: bool = False  # waiting for the route's rate limit (not saved)
 
     def to_json(self) -> str:
-        doc = dataclasses.asdict(self)
-        doc.pop("held")
+        """The state to save (the rate limit's hold is not saved: it is decided again after a restart)."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "held"}
+        doc["alerts"] = {fp: a.to_doc() for fp, a in self.alerts.items()}
         return orjson.dumps(doc).decode()
 
     @classmethod
     def from_json(cls, text: str) -> GroupState:
         doc = orjson.loads(text)
-        doc["alerts"] = {fp: AlertState(**a) for fp, a in doc["alerts"].items()}
+        doc["alerts"] = {fp: AlertState.from_doc(a) for fp, a in doc["alerts"].items()}
         return cls(**doc)
 
 
@@ -166,7 +179,7 @@ class Router:
         # (outcome, route) -> spikes: routed, silenced, rate_limited; ("unmatched"|"too_short", "") at their end.
         self.counts: Counter[tuple[str, str]] = Counter()
         self._index: dict[str, list[tuple[str, str]]] = {}  # open spike id -> (group id, fingerprint)
-        self._waiting: dict[str, dict[str, Any]] = {}  # open spikes, tried against routes not yet taken
+        self._waiting: dict[str, Spike] = {}  # open spikes, tried against routes not yet taken
         self._first_seen: dict[str, float] = {}
         self._matched: set[str] = set()  # open spikes some route matched (maybe still too short)
         self._silenced: set[str] = set()  # open spikes counted as silenced
@@ -215,26 +228,25 @@ class Router:
         """Take spike states (opened, updated, resolved) as the detectors commit them."""
         now = self.clock()
         for spike in spikes:
-            doc = spike_doc(spike)
             for gid, fp in self._index.get(spike.id, ()):
                 g = self.groups.get(gid)
                 a = g.alerts.get(fp) if g is not None else None
                 if a is None:
                     continue
-                if doc["start_ns"] >= a.spike["start_ns"]:
-                    a.spike = doc
+                if spike.start_unix_nano >= a.spike.start_unix_nano:
+                    a.spike = spike
                 if spike.state == "resolved" and spike.id in a.open_spikes:
                     a.open_spikes.remove(spike.id)
                     if not a.open_spikes:
                         a.resolved_at, a.ends_at = now, spike.end_unix_nano
                 self._dirty.add(gid)
             if spike.state == "open":
-                self._waiting[spike.id] = doc
+                self._waiting[spike.id] = spike
                 self._first_seen.setdefault(spike.id, now)
                 continue
             if spike.id in self._waiting and spike.id not in self._index:
                 matched = spike.id in self._matched or any(
-                    r.matcher.matches(doc) and ratio(doc) >= r.cfg.min_ratio for r in self.routes.values())
+                    r.matcher.matches(spike) and ratio(spike) >= r.cfg.min_ratio for r in self.routes.values())
                 self.counts["too_short" if matched else "unmatched", ""] += 1
             for name in (self._waiting, self._first_seen, self._index):
                 name.pop(spike.id, None)
@@ -264,39 +276,41 @@ class Router:
         return out
 
     def _route_waiting(self, now: float) -> None:
-        for sid, doc in self._waiting.items():
+        for sid, spike in self._waiting.items():
             taken = {self.groups[gid].route for gid, _ in self._index.get(sid, ()) if gid in self.groups}
-            severity = ratio(doc)
+            severity = ratio(spike)
             for name, route in self.routes.items():
-                if not route.matcher.matches(doc) or severity < route.cfg.min_ratio:
+                if not route.matcher.matches(spike) or severity < route.cfg.min_ratio:
                     continue
                 self._matched.add(sid)
-                lasted = max(0.0, ((doc["detected_ns"] or doc["start_ns"]) - doc["start_ns"]) / NS)
+                detected = spike.detected_unix_nano or spike.start_unix_nano
+                lasted = max(0.0, (detected - spike.start_unix_nano) / NS)
                 lasted += now - self._first_seen.get(sid, now)
                 if name not in taken and lasted >= route.cfg.min_duration_seconds:
-                    self._assign(route, sid, doc, now)
+                    self._assign(route, sid, spike, now)
                 if not route.cfg.continue_matching:
                     break
 
-    def _assign(self, route: Route, sid: str, doc: dict[str, Any], now: float) -> None:
-        label = cause_label(doc)
-        gid = hashlib.sha256(f"{route.cfg.name}\0{doc['service']}\0{label}".encode()).hexdigest()[:32]
+    def _assign(self, route: Route, sid: str, spike: Spike, now: float) -> None:
+        label = cause_label(spike)
+        gid = hashlib.sha256(f"{route.cfg.name}\0{spike.service}\0{label}".encode()).hexdigest()[:32]
         g = self.groups.get(gid)
         if g is None:
             # Unique and increasing: groups made in one evaluation keep their order (the rate limit serves
             # them first come, first served), and a group made again later has new idempotency keys.
             created = self._last_created = max(int(now * NS), self._last_created + 1)
             g = self.groups[gid] = GroupState(id=gid, route=route.cfg.name, receiver=route.cfg.receiver,
-                                              service=doc["service"], cause=label, created_at=created)
+                                              service=spike.service, cause=label, created_at=created)
             self._removed.discard(gid)
-        labels = alert_labels(doc)
+        labels = alert_labels(spike)
         fp = fingerprint(labels)
         a = g.alerts.get(fp)
         if a is None:
-            a = g.alerts[fp] = AlertState(fingerprint=fp, labels=labels, spike=doc, starts_at=doc["start_ns"])
+            a = g.alerts[fp] = AlertState(fingerprint=fp, labels=labels, spike=spike,
+                                          starts_at=spike.start_unix_nano)
         elif not a.firing and fp not in g.sent_firing:
-            a.starts_at = doc["start_ns"]  # a new episode, not the continuation of an announced one
-        a.spike, a.ends_at, a.resolved_at = doc, None, None
+            a.starts_at = spike.start_unix_nano  # a new episode, not the continuation of an announced one
+        a.spike, a.ends_at, a.resolved_at = spike, None, None
         if sid not in a.open_spikes:
             a.open_spikes.append(sid)
         a.spike_ids = [*a.spike_ids, sid][-MAX_SPIKE_IDS:]
@@ -398,21 +412,20 @@ class Router:
         self._removed.add(gid)
 
     def _item(self, a: AlertState, status: str) -> AlertItem:
-        doc = a.spike
-        spike_url = spike_page_url(self.base_url, doc["id"])  # the web page: chart, causes, waterfalls
-        exemplars = doc["exemplar_trace_ids"]
-        trace_url = self.base_url.rstrip("/") + trace_page_path(exemplars[0]) if exemplars else None
-        top = doc["causes"][0]["summary"] if doc["causes"] else NO_CAUSE
-        annotations = {"summary": describe(doc), "description": top, "spike_id": doc["id"],
-                       "p99_ms": f"{doc['p99_ms']:.1f}", "baseline_p99_ms": f"{doc['baseline_p99_ms']:.1f}",
-                       "ratio": f"{ratio(doc):.2f}", "spike_url": spike_url}
+        spike = a.spike
+        spike_url = spike_page_url(self.base_url, spike.id)  # the web page: chart, causes, waterfalls
+        exemplars = spike.exemplar_trace_ids
+        trace_url = self.base_url.rstrip("/") + trace_page_path(exemplars[0].hex()) if exemplars else None
+        top = spike.causes[0].summary if spike.causes else NO_CAUSE
+        annotations = {"summary": describe(spike), "description": top, "spike_id": spike.id,
+                       "p99_ms": f"{milliseconds(spike.p99_ns):.1f}",
+                       "baseline_p99_ms": f"{milliseconds(spike.baseline_p99_ns):.1f}",
+                       "ratio": f"{ratio(spike):.2f}", "spike_url": spike_url}
         if trace_url:
             annotations["trace_url"] = trace_url
-        also = affected_summary(doc)
+        also = affected_summary(spike)
         if also:
             annotations["affected_streams"] = also
-        public = {k: v for k, v in doc.items() if not k.endswith("_ns")}
-        public.update(url=spike_url, ratio=round(ratio(doc), 3), trace_url=trace_url)
         return AlertItem(fingerprint=a.fingerprint, status=status, labels=a.labels, annotations=annotations,
                          starts_at_ns=a.starts_at, ends_at_ns=None if status == "firing" else a.ends_at,
-                         spike=public, spike_url=spike_url, trace_url=trace_url)
+                         spike=spike, spike_url=spike_url, trace_url=trace_url)

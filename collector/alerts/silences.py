@@ -25,7 +25,8 @@ from typing import Any
 
 import orjson
 
-from collector.alerts.matchers import CAUSE_KINDS, SpikeMatcher
+from collector.alerts.matchers import SpikeMatcher
+from spikehound.model import CauseKind, Spike
 from spikehound.timefmt import MAX_NS, NS, parse_time, rfc3339
 from storage.alerts import SilenceRow
 
@@ -56,8 +57,9 @@ class Silence:
             return "expired"
         return "active" if now_ns >= self.starts_at else "pending"
 
-    def mutes(self, doc: dict[str, Any], now_ns: int) -> bool:
-        return self.state(now_ns) == "active" and self.matcher.matches(doc, moved=False)
+    def mutes(self, spike: Spike, now_ns: int) -> bool:
+        """Active and matching ``spike``'s leading stream (one stream's silence must not hide an outage)."""
+        return self.state(now_ns) == "active" and self.matcher.matches(spike, moved=False)
 
     def to_json(self, now_ns: int) -> dict[str, Any]:
         return {"id": self.id, "matchers": self.matchers, "comment": self.comment, "created_by": self.created_by,
@@ -94,8 +96,9 @@ class Silence:
             if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN:
                 raise ValueError(f"matchers.{key}: expected a pattern of 1 to {MAX_PATTERN} characters")
         kind = matchers.get("cause_kind")
-        if kind is not None and not any(ch in kind for ch in "*?[") and kind not in CAUSE_KINDS:
-            raise ValueError(f"matchers.cause_kind: {kind!r} is not one of {', '.join(CAUSE_KINDS)}")
+        kinds = [k.value for k in CauseKind]
+        if kind is not None and not any(ch in kind for ch in "*?[") and kind not in kinds:
+            raise ValueError(f"matchers.cause_kind: {kind!r} is not one of {', '.join(kinds)}")
         starts_at = _time(body, "starts_at", now_ns)
         if "ends_at" in body and "duration_seconds" in body:
             raise ValueError("give ends_at or duration_seconds, not both")

@@ -21,7 +21,14 @@ from typing import Any
 
 import orjson
 
-from collector.alerts.notification import NO_CAUSE, AlertItem, Notification, affected_summary
+from collector.alerts.notification import (
+    NO_CAUSE,
+    AlertItem,
+    Notification,
+    affected_summary,
+    milliseconds,
+    ratio,
+)
 
 MAX_BLOCKS = 50
 SECTION_TEXT_MAX = 3000
@@ -49,12 +56,12 @@ def _when(unix_nano: int | None) -> str:
 
 
 def _cause_lines(item: AlertItem) -> str:
-    causes = item.spike["causes"]
+    causes = item.spike.causes
     if not causes:
         return f"*Top cause:* {NO_CAUSE}"
     lines = ["*Top causes*"]
     for rank, c in enumerate(causes[:CAUSES_SHOWN], 1):
-        lines.append(f"{rank}. [{c['kind']}] {escape(c['summary'])} _(explains {c['score']:.0%} of the added latency)_")
+        lines.append(f"{rank}. [{c.kind.value}] {escape(c.summary)} _(explains {c.score:.0%} of the added latency)_")
     # Clip line by line from the end so the top cause always survives.
     text = "\n".join(lines)
     while len(text) > SECTION_TEXT_MAX and len(lines) > 2:
@@ -67,10 +74,11 @@ def _alert_blocks(item: AlertItem, number: int) -> list[dict[str, Any]]:
     s = item.spike
     state = (f"since {_when(item.starts_at_ns)}" if item.status == "firing"
              else f"from {_when(item.starts_at_ns)} to {_when(item.ends_at_ns)}")
-    caller = f"{escape(s['peer_service'])} -> " if s.get("peer_service") else ""
-    head = (f"{caller}*{escape(s['service'])}* `{escape(s['operation'])}`\n"
-            f"p99 *{s['p99_ms']:.1f} ms* against a baseline of *{s['baseline_p99_ms']:.1f} ms* "
-            f"(*{s['ratio']:.1f}x*), {state}" + (" — *resolved*" if item.status == "resolved" else ""))
+    caller = f"{escape(s.peer_service)} -> " if s.peer_service else ""
+    # The ratio as the webhook states it (three decimals), so that both receivers show the same number.
+    head = (f"{caller}*{escape(s.service)}* `{escape(s.operation)}`\n"
+            f"p99 *{milliseconds(s.p99_ns):.1f} ms* against a baseline of *{milliseconds(s.baseline_p99_ns):.1f} ms* "
+            f"(*{round(ratio(s), 3):.1f}x*), {state}" + (" — *resolved*" if item.status == "resolved" else ""))
     buttons = []
     if len(item.spike_url) <= URL_MAX:
         buttons.append({"type": "button", "text": {"type": "plain_text", "text": "Spike and causes"},
@@ -103,10 +111,10 @@ class SlackNotifier:
         first = items[0] if items else note.alerts[0]
         s = first.spike
         if note.status == "firing":
-            title = (f":red_circle: p99 spike on {s['service']} {s['operation']}" if len(items) == 1
+            title = (f":red_circle: p99 spike on {s.service} {s.operation}" if len(items) == 1
                      else f":red_circle: p99 spikes on {len(items)} streams of {note.group_labels['service']}")
         else:
-            title = f":white_check_mark: Resolved: p99 spike on {s['service']} {s['operation']}"
+            title = f":white_check_mark: Resolved: p99 spike on {s.service} {s.operation}"
         blocks: list[dict[str, Any]] = [
             {"type": "header", "text": {"type": "plain_text", "text": clip(title, HEADER_TEXT_MAX), "emoji": True}}]
         for number, item in enumerate(note.alerts[:ALERTS_SHOWN]):
@@ -119,10 +127,10 @@ class SlackNotifier:
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": clip(
             f"spikehound · route {escape(note.route)} · grouped by {escape(note.group_labels['service'])}, "
             f"{escape(note.group_labels['cause'])} · times are event time", SECTION_TEXT_MAX)}]})
-        top = s["causes"][0]["summary"] if s["causes"] else NO_CAUSE
+        top = s.causes[0].summary if s.causes else NO_CAUSE
         verb = "p99 spike" if note.status == "firing" else "Resolved p99 spike"
-        fallback = (f"{verb} on {s['service']} {s['operation']}: {s['p99_ms']:.1f} ms against "
-                    f"{s['baseline_p99_ms']:.1f} ms. Top cause: {top}")
+        fallback = (f"{verb} on {s.service} {s.operation}: {milliseconds(s.p99_ns):.1f} ms against "
+                    f"{milliseconds(s.baseline_p99_ns):.1f} ms. Top cause: {top}")
         return {"text": clip(escape(fallback), FALLBACK_TEXT_MAX), "blocks": blocks[:MAX_BLOCKS]}
 
     def headers(self, body: bytes, idempotency_key: str, now: float) -> dict[str, str]:

@@ -5,7 +5,8 @@ Receivers written for Alertmanager read it as they are (``version``,
 ``commonAnnotations``, ``externalURL``, ``alerts[]`` with ``labels``,
 ``annotations``, ``startsAt``, ``endsAt``, ``generatorURL`` and
 ``fingerprint``). The ``spikehound`` section holds each spike as the API
-shows it, with its ranked causes.
+shows it, with its ranked causes, its page (``url``), its severity
+(``ratio``, p99 over baseline) and its slowest trace (``trace_url``).
 
 Every request carries:
 
@@ -34,7 +35,8 @@ from typing import Any
 
 import orjson
 
-from collector.alerts.notification import AlertItem, Notification
+from collector.alerts.notification import AlertItem, Notification, ratio
+from collector.rest.serialize import spike_json
 from spikehound import __version__
 from spikehound.timefmt import rfc3339
 
@@ -77,6 +79,12 @@ def _alert(item: AlertItem) -> dict[str, Any]:
             "generatorURL": item.spike_url, "fingerprint": item.fingerprint}
 
 
+def spike_document(item: AlertItem) -> dict[str, Any]:
+    """The alert's spike as the API shows it, with links to its evidence and its severity."""
+    return {**spike_json(item.spike), "url": item.spike_url, "ratio": round(ratio(item.spike), 3),
+            "trace_url": item.trace_url}
+
+
 def payload(note: Notification) -> dict[str, Any]:
     """The JSON document of ``note``."""
     return {
@@ -91,7 +99,7 @@ def payload(note: Notification) -> dict[str, Any]:
         "externalURL": note.external_url,
         "alerts": [_alert(a) for a in note.alerts],
         "spikehound": {"idempotency_key": note.idempotency_key, "route": note.route, "group_id": note.group_id,
-                       "spikes": [a.spike for a in note.alerts]},
+                       "spikes": [spike_document(a) for a in note.alerts]},
     }
 
 

@@ -30,6 +30,8 @@ from spikehound.demo.alerts import WebhookReceiver, describe
 from spikehound.demo.faults import FAULTS, Fault, component_of
 from spikehound.demo.load import OpenLoopLoad
 from spikehound.demo.processes import DEMO_SETTINGS, Stack, StartError, free_port, http_json
+from spikehound.model import Cause, CauseKind
+from spikehound.model_json import cause_from_json
 
 ENTRY = ("gateway", "POST /v1/predict")
 WINDOW_S = float(DEMO_SETTINGS["collector.window_seconds"])
@@ -52,12 +54,13 @@ class Finding:
     found_after_s: float | None
 
     @property
-    def top(self) -> dict[str, Any] | None:
-        return self.spike["causes"][0] if self.spike and self.spike["causes"] else None
+    def top(self) -> Cause | None:
+        causes = self.causes
+        return causes[0] if causes else None
 
     @property
-    def causes(self) -> list[dict[str, Any]]:
-        return self.spike["causes"] if self.spike else []
+    def causes(self) -> tuple[Cause, ...]:
+        return causes_of(self.spike) if self.spike else ()
 
     @property
     def ok(self) -> bool:
@@ -114,23 +117,28 @@ def _cause_key(spike: dict[str, Any]) -> tuple[Any, ...]:
     return c.get("kind"), c.get("service"), c.get("operation"), c.get("peer_service"), c.get("resource")
 
 
-def short_cause(causes: list[dict[str, Any]]) -> str:
+def causes_of(spike: dict[str, Any]) -> tuple[Cause, ...]:
+    """The ranked causes of a spike as the API reported it."""
+    return tuple(cause_from_json(c) for c in spike["causes"])
+
+
+def short_cause(causes: Sequence[Cause]) -> str:
     """The top cause in a few words; a resource cause with the component it explains."""
     if not causes:
         return "-"
     cause = causes[0]
-    kind = cause["kind"]
-    if kind == "resource":
+    kind = cause.kind
+    if kind == CauseKind.RESOURCE:
         explained = component_of(causes)
-        tail = f", at {short_cause([explained])}" if explained else f" ({cause['score']:.0%})"
-        return f"[resource] {cause['resource']} on {cause['host']}{tail}"
-    if kind == "network":
-        what = f"hop {cause['peer_service']} -> {cause['service']}"
-    elif kind == "service":
-        what = f"service {cause['service']}"
+        tail = f", at {short_cause([explained])}" if explained else f" ({cause.score:.0%})"
+        return f"[resource] {cause.resource} on {cause.host}{tail}"
+    if kind == CauseKind.NETWORK:
+        what = f"hop {cause.peer_service} -> {cause.service}"
+    elif kind == CauseKind.SERVICE:
+        what = f"service {cause.service}"
     else:
-        what = f"{cause['operation']} of {cause['service']}"
-    return f"[{kind}] {what} ({cause['score']:.0%})"
+        what = f"{cause.operation} of {cause.service}"
+    return f"[{kind.value}] {what} ({cause.score:.0%})"
 
 
 class Console:
@@ -283,7 +291,7 @@ def _print_spike_event(con: Console, event: str, spike: dict[str, Any]) -> None:
         con.say(f"spike resolved  {where} ({spike['id']})")
         return
     con.say(f"spike {event:<8} {where}: p99 {spike['p99_ms']:.0f} ms against {spike['baseline_p99_ms']:.0f} ms; "
-            f"top cause {short_cause(spike['causes'])}")
+            f"top cause {short_cause(causes_of(spike))}")
 
 
 def _match(watch: SpikeWatch, injections: Sequence[Injection]) -> list[Finding]:
@@ -331,10 +339,10 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding], keep: bool 
         fault = f.injection.fault
         con.say(f"{fault.title}: expected {fault.expected}", stamped=False)
         if f.top is not None:
-            con.say(f"  top cause: {f.top['summary']}", stamped=False)
+            con.say(f"  top cause: {f.top.summary}", stamped=False)
             explained = component_of(f.causes)
-            if f.top["kind"] == "resource" and explained is not None:
-                con.say(f"  ... at:    {explained['summary']}", stamped=False)
+            if f.top.kind == CauseKind.RESOURCE and explained is not None:
+                con.say(f"  ... at:    {explained.summary}", stamped=False)
         if f.spike is not None:
             con.say(f"  evidence:  {stack.api}/ui/spikes/{f.spike['id']}   (JSON: /api/v1/spikes/{f.spike['id']})",
                     stamped=False)

@@ -1,0 +1,58 @@
+"""The model read back from its JSON form, the one the REST API serves (``collector/rest/serialize.py``).
+
+For whatever holds a spike or its causes as that JSON and then reasons about them: the demo judging the API's
+answers, the alert groups' saved state. Reading is exact: times keep every digit (RFC 3339 with nanoseconds)
+and the ``*_ms`` fields are nanoseconds divided by 10**6. Fields an older writer left out take their defaults.
+
+>>> cause = cause_from_json({"kind": "network", "service": "model-server", "operation": "POST /infer",
+...                          "peer_service": "gateway", "score": 0.8, "summary": "hop +60 ms"})
+>>> cause.kind is CauseKind.NETWORK, cause.peer_service, cause.host
+(True, 'gateway', None)
+>>> cause_from_json({"kind": "gpu", "score": 1.0, "summary": ""})
+Traceback (most recent call last):
+...
+ValueError: 'gpu' is not a valid CauseKind
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spikehound.model import AffectedStream, Cause, CauseKind, Spike
+from spikehound.timefmt import parse_time
+
+NS_PER_MS = 1e6
+
+
+def cause_from_json(doc: dict[str, Any]) -> Cause:
+    """One of a spike's ``causes``; ValueError when its kind is not a :class:`CauseKind`."""
+    return Cause(kind=CauseKind(doc["kind"]), score=doc["score"], summary=doc["summary"], service=doc.get("service"),
+                 operation=doc.get("operation"), peer_service=doc.get("peer_service"), host=doc.get("host"),
+                 resource=doc.get("resource"), baseline=doc.get("baseline"), observed=doc.get("observed"),
+                 unit=doc.get("unit"))
+
+
+def affected_from_json(doc: dict[str, Any]) -> AffectedStream:
+    """One of a spike's ``affected_streams``."""
+    return AffectedStream(service=doc["service"], operation=doc["operation"], peer_service=doc.get("peer_service"),
+                          start_unix_nano=parse_time(doc["start"]),
+                          last_anomalous_end_unix_nano=parse_time(doc["last_anomalous_end"]),
+                          p99_ns=ns_of_ms(doc["p99_ms"]), baseline_p99_ns=ns_of_ms(doc["baseline_p99_ms"]),
+                          evidence=doc["evidence"], slow_requests=doc.get("slow_requests", 0))
+
+
+def spike_from_json(doc: dict[str, Any]) -> Spike:
+    """The spike of the API's JSON (which does not say when the detector opened it: ``detected_unix_nano`` None)."""
+    end = doc.get("end")
+    return Spike(id=doc["id"], service=doc["service"], operation=doc["operation"], state=doc["state"],
+                 start_unix_nano=parse_time(doc["start"]), end_unix_nano=parse_time(end) if end else None,
+                 p99_ns=ns_of_ms(doc["p99_ms"]), baseline_p99_ns=ns_of_ms(doc["baseline_p99_ms"]),
+                 causes=tuple(cause_from_json(c) for c in doc["causes"]),
+                 exemplar_trace_ids=tuple(bytes.fromhex(t) for t in doc.get("exemplar_trace_ids", ())),
+                 peer_service=doc.get("peer_service"),
+                 affected=tuple(affected_from_json(a) for a in doc.get("affected_streams", ())))
+
+
+def ns_of_ms(ms: float) -> int:
+    """Nanoseconds from the API's milliseconds (written as ns / 10**6, so rounding recovers them)."""
+    return round(ms * NS_PER_MS)
