@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -31,8 +32,10 @@ from agent.sampling import Sampler, SamplingLoop
 from agent.spool import DiskSpool, Item, Signal, SpoolWriteError
 from agent.telemetry import AgentMetrics, registry_for
 from spikehound import __version__
+from spikehound.components import ComponentStack, Stage
 from spikehound.config import SECTIONS, Config
-from spikehound.lifecycle import start_http
+from spikehound.grpc_server import GrpcServer
+from spikehound.http_server import HttpServer
 from spikehound.live_config import AGENT_LIVE_KEYS, apply_live
 
 log = logging.getLogger("spikehound.agent")
@@ -52,12 +55,27 @@ class Agent:
     def __init__(self, cfg: Config, samplers: list[Sampler] | None = None) -> None:
         self.cfg = cfg
         self._samplers = samplers
-        self.grpc_port = self.http_port = self.metrics_port = 0
+        # Started in order, stopped in reverse (see start).
+        self.components = ComponentStack()
+        self._grpc: GrpcServer | None = None
+        self._http: HttpServer | None = None
+        self._metrics: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._runners: list[web.AppRunner] = []
-        self._grpc: grpc.aio.Server | None = None
         self._failed: asyncio.Future[None] | None = None
+        self._running = False  # /healthz says ok once every component started
         self._stopping = False
+
+    @property
+    def grpc_port(self) -> int:
+        return self._grpc.port if self._grpc is not None else 0
+
+    @property
+    def http_port(self) -> int:
+        return self._http.port if self._http is not None else 0
+
+    @property
+    def metrics_port(self) -> int:
+        return self._metrics.port if self._metrics is not None else 0
 
     async def start(self) -> None:
         cfg, a = self.cfg, self.cfg.agent
@@ -79,23 +97,54 @@ class Agent:
                                    credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
                                                                    a.collector_key_file))
         registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge))
-        try:
-            self._grpc, self.grpc_port = await start_grpc(self.intake, a.otlp_grpc, a.max_request_bytes)
-            runner, self.http_port = await start_http(http_app(self.intake, a.max_request_bytes), a.otlp_http,
-                                                      "OTLP/HTTP")
-            self._runners.append(runner)
-            # Last, so that /healthz answering means the receivers listen.
-            runner, self.metrics_port = await start_http(_metrics_app(registry), a.metrics_listen, "agent /metrics")
-            self._runners.append(runner)
-        except BaseException:
-            await self.stop()
-            raise
+        self._metrics = HttpServer(_metrics_app(registry, lambda: self._running), a.metrics_listen, "agent /metrics")
+        self._http = HttpServer(http_app(self.intake, a.max_request_bytes), a.otlp_http, "OTLP/HTTP")
+        self._grpc = GrpcServer("OTLP/gRPC", functools.partial(start_grpc, self.intake, a.otlp_grpc,
+                                                               a.max_request_bytes), grace_seconds=2.0)
+        # Stopped in the reverse order: the receivers first; then the forwarding and sampling tasks end, the
+        # forwarder sends what is queued until the drain deadline (/metrics still up meanwhile), and what is
+        # left goes to the disk spool last.
+        await self.components.start(
+            Stage("forward queue", stop=self._spool_queue),
+            Stage("samplers", stop=self._close_samplers),
+            self._metrics,
+            Stage("forwarder", stop=self._drain_forwarder),
+            Stage("forwarding and sampling tasks", start=self._start_tasks, stop=self._end_tasks),
+            self._http,
+            self._grpc,
+        )
+        self._running = True
         log.info("host %s, %d GPU(s), forwarding to %s, sampling every %.1f s", host, len(gpu_ids), a.collector,
                  a.interval)
+
+    async def _start_tasks(self) -> None:
         for coro, name in ((self.forwarder.run(), "forwarder"), (self._sample_forever(), "sampling")):
             task = asyncio.create_task(coro, name=name)
             task.add_done_callback(self._watch)
             self._tasks.append(task)
+
+    async def _end_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _drain_forwarder(self) -> None:
+        await self._drain(self.cfg.agent.drain_seconds)
+        await self.forwarder.close()
+
+    async def _spool_queue(self) -> None:
+        left = self.queue.spill_memory()
+        if left:
+            log.error("spool full or not writable at shutdown: %d queued requests could not be kept", left)
+        if len(self.queue.spool):
+            log.info("%d requests left in the disk spool for the next start", len(self.queue.spool))
+        self.queue.close()
+
+    async def _close_samplers(self) -> None:
+        self.sampling.close()
 
     def _queue_own_metrics(self, payload: bytes, points: int) -> bool:
         try:
@@ -133,30 +182,7 @@ class Agent:
     async def stop(self) -> None:
         """Stop receiving, forward what is queued until the drain deadline, spool the rest."""
         self._stopping = True
-        if self._grpc is not None:
-            await self._grpc.stop(2.0)
-        for runner in self._runners[:1]:  # the OTLP/HTTP receiver; /metrics stays up while draining
-            await runner.cleanup()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if hasattr(self, "forwarder"):
-            await self._drain(self.cfg.agent.drain_seconds)
-            await self.forwarder.close()
-        if hasattr(self, "queue"):
-            left = self.queue.spill_memory()
-            if left:
-                log.error("spool full or not writable at shutdown: %d queued requests could not be kept", left)
-            if len(self.queue.spool):
-                log.info("%d requests left in the disk spool for the next start", len(self.queue.spool))
-            self.queue.close()
-        if hasattr(self, "sampling"):
-            self.sampling.close()
-        for runner in self._runners[1:]:
-            await runner.cleanup()
-        self._runners.clear()
+        await self.components.stop()
 
     async def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -166,11 +192,15 @@ class Agent:
                 await asyncio.wait_for(self.forwarder.flush(timeout=max(remaining, 0.1)), remaining)
 
 
-def _metrics_app(registry: Any) -> web.Application:
+def _metrics_app(registry: Any, running: Callable[[], bool]) -> web.Application:
+    """/metrics, and /healthz: ok once ``running`` says so (the receivers listen), 503 before."""
+
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_request: web.Request) -> web.Response:
+        if not running():
+            return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ok"})
 
     app = web.Application()

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import ssl
 import sys
-
-import grpc
-from aiohttp import web
 
 from collector.alerts.alerting import Alerting, public_url
 from collector.cross_site import Site
@@ -29,8 +27,11 @@ from collector.pipeline import IngestPipeline
 from collector.rest.app import build_app
 from collector.telemetry import CollectorTelemetry
 from collector.tls import ServerTls, describe
+from collector.writer_thread import WriterThread
+from spikehound.components import ComponentStack, Stage
 from spikehound.config import Config, check_otlp_exposure, redact_url
-from spikehound.lifecycle import start_http
+from spikehound.grpc_server import GrpcServer
+from spikehound.http_server import HttpServer
 from spikehound.live_config import ALERT_KEYS, COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
 from storage.engine import make_engine
 from storage.migrate import upgrade
@@ -52,16 +53,28 @@ class Collector:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.telemetry = CollectorTelemetry()
-        self.grpc_port = self.http_port = self.api_port = 0
-        self._grpc: grpc.aio.Server | None = None
-        self._runners: list[web.AppRunner] = []
-        self._pipeline: IngestPipeline | None = None
-        self._pipeline_task: asyncio.Task[None] | None = None
-        self._failed: asyncio.Future[None] | None = None
+        # Started in order, stopped in reverse (see start).
+        self.components = ComponentStack()
+        self._api: HttpServer | None = None
+        self._grpc: GrpcServer | None = None
+        self._http: HttpServer | None = None
+        self.pipeline: IngestPipeline | None = None
         self._listening = False
         self._reload_tasks: set[asyncio.Task[object]] = set()
         self.alerting: Alerting | None = None
         self._tls: ServerTls | None = None
+
+    @property
+    def api_port(self) -> int:
+        return self._api.port if self._api is not None else 0
+
+    @property
+    def grpc_port(self) -> int:
+        return self._grpc.port if self._grpc is not None else 0
+
+    @property
+    def http_port(self) -> int:
+        return self._http.port if self._http is not None else 0
 
     async def start(self) -> None:
         cfg, c = self.cfg, self.cfg.collector
@@ -75,49 +88,59 @@ class Collector:
         # cost a third of ingest. Collect young objects less often, and leave start-up's objects alone.
         gc.set_threshold(*GC_THRESHOLDS)
         gc.freeze()
-        loop = asyncio.get_running_loop()
-        self._failed = loop.create_future()
         url = cfg.database_url
         log.info("storage %s", redact_url(url))
-        engine = make_engine(url, sqlite_synchronous=cfg.storage.sqlite_synchronous)
-        revision = await loop.run_in_executor(None, upgrade, engine)
-        log.info("schema at revision %s", revision)
-        self.engine = engine
+        self.engine = engine = make_engine(url, sqlite_synchronous=cfg.storage.sqlite_synchronous)
+        writer_thread = WriterThread()
         queue = IngestQueue(c.queue_capacity)
         self.telemetry.queue_capacity.set(c.queue_capacity)
-        self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
-        await self._pipeline.restore()
-        install_exported_metrics(cfg, self._pipeline, self.telemetry, Reader(engine))
-        self.alerting = Alerting(cfg, engine, self.telemetry.registry, run_on_writer=self._pipeline.on_writer)
-        await self.alerting.restore(Reader(engine))
-        self._pipeline.spike_listeners.append(self.alerting.observe)
-        self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")
-        self._pipeline_task.add_done_callback(self._watch)
+        self.pipeline = pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, self.telemetry)
+        self.telemetry.registry.register(pipeline.detector_metrics)
+        install_exported_metrics(cfg, pipeline, self.telemetry, Reader(engine))
+        self.alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread)
+        pipeline.spike_listeners.append(self.alerting.observe)
         ingest = Ingest.configured(queue, self.telemetry, c)
         if c.allow_unauthenticated_otlp and not (c.otlp_token or c.tls_client_ca_file) and not (
                 c.otlp_grpc.is_loopback and c.otlp_http.is_loopback):
             log.warning("OTLP receivers listen beyond loopback without collector.otlp_token or client certificates "
                         "(collector.allow_unauthenticated_otlp = true): any host that reaches them can send data")
-        try:
-            site = Site.from_config(c, links=self._links(c.api.port))  # the hosts and origin it answers to
-            api = build_app(Reader(engine), self.telemetry, self._ready, c.api_token, self.alerting, site)
-            runner, self.api_port = await start_http(
-                api, c.api, "API" + describe(tls, c.api_tls_client_ca_file),
-                ssl_context=tls.http_context(c.api_tls_client_ca_file) if tls else None)
-            self._runners.append(runner)
-            self._grpc, self.grpc_port = await start_grpc(
-                ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes,
-                credentials=tls.grpc_credentials() if tls else None, secured=describe(tls, c.tls_client_ca_file))
-            http = HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app()
-            runner, self.http_port = await start_http(
-                http, c.otlp_http, "OTLP/HTTP" + describe(tls, c.tls_client_ca_file),
-                ssl_context=tls.http_context(c.tls_client_ca_file) if tls else None)
-            self._runners.append(runner)
-        except BaseException:
-            await self.stop()
-            raise
-        self.alerting.start(self._links(self.api_port))
+        site = Site.from_config(c, links=self._links(c.api.port))  # the hosts and origin it answers to
+        api = build_app(Reader(engine), self.telemetry, self._ready, c.api_token, self.alerting, site)
+        self._api = HttpServer(api, c.api, "API" + describe(tls, c.api_tls_client_ca_file),
+                               ssl_context=tls.http_context(c.api_tls_client_ca_file) if tls else None)
+        self._grpc = GrpcServer("OTLP/gRPC", functools.partial(
+            start_grpc, ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes,
+            credentials=tls.grpc_credentials() if tls else None, secured=describe(tls, c.tls_client_ca_file)),
+            grace_seconds=GRPC_GRACE_SECONDS)  # in-flight exports still get their commit
+        self._http = HttpServer(HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app(), c.otlp_http,
+                                "OTLP/HTTP" + describe(tls, c.tls_client_ca_file),
+                                ssl_context=tls.http_context(c.tls_client_ca_file) if tls else None)
+        # Stopped in the reverse order: the receivers first; the pipeline commits what they accepted and hands
+        # its last spikes to alerting, which commits its last decisions; the API (alerting's routes) goes; the
+        # writer thread ends once every write ran, and storage closes last.
+        await self.components.start(
+            Stage("storage", start=self._open_storage, stop=self._close_storage),
+            writer_thread,
+            self._api,
+            Stage("alerting", start=self._start_alerting, stop=self.alerting.stop),
+            pipeline,
+            self._grpc,
+            self._http,
+        )
         self._listening = True
+
+    async def _open_storage(self) -> None:
+        revision = await asyncio.get_running_loop().run_in_executor(None, upgrade, self.engine)
+        log.info("schema at revision %s", revision)
+
+    async def _close_storage(self) -> None:
+        self.engine.dispose()
+
+    async def _start_alerting(self) -> None:
+        """Restore the alert groups and silences, then route and deliver (links point at the bound API port)."""
+        assert self.alerting is not None
+        await self.alerting.restore(Reader(self.engine))
+        self.alerting.start(self._links(self.api_port))
 
     def _links(self, api_port: int) -> str:
         """Where links in alerts point; https:// when the API serves TLS and no collector.public_url says otherwise."""
@@ -126,24 +149,14 @@ class Collector:
             return "https://" + url.removeprefix("http://")
         return url
 
-    def _watch(self, task: asyncio.Task[None]) -> None:
-        if self._failed is None or self._failed.done():
-            return
-        if task.cancelled():
-            self._failed.set_exception(RuntimeError("ingest pipeline cancelled"))
-        elif task.exception() is not None:
-            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
-        elif self._listening:
-            self._failed.set_exception(RuntimeError("ingest pipeline ended"))
-
     def failed(self) -> asyncio.Future[None]:
-        assert self._failed is not None, "start() first"
-        return self._failed
+        assert self.pipeline is not None, "start() first"
+        return self.pipeline.failed()
 
     async def _ready(self) -> tuple[bool, str]:
         if not self._listening:
             return False, "starting"
-        if self._pipeline is None or not self._pipeline.healthy:
+        if self.pipeline is None or not self.pipeline.healthy:
             return False, "storage writes are failing"
         return True, "ok"
 
@@ -160,8 +173,8 @@ class Collector:
                 log.error("TLS certificate not re-read, the running one stays: %s", exc)
         if self.alerting is not None and ALERT_KEYS.intersection(change.applied):
             self.alerting.reload(self.cfg)
-        if self._pipeline is not None and RETENTION_KEYS.intersection(change.applied):
-            task = asyncio.create_task(self._pipeline.run_retention(), name="retention-after-reload")
+        if self.pipeline is not None and RETENTION_KEYS.intersection(change.applied):
+            task = asyncio.create_task(self.pipeline.run_retention(), name="retention-after-reload")
             self._reload_tasks.add(task)
             task.add_done_callback(self._reload_tasks.discard)
 
@@ -172,21 +185,4 @@ class Collector:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._grpc is not None:
-            await self._grpc.stop(GRPC_GRACE_SECONDS)  # in-flight exports still get their commit
-        for runner in reversed(self._runners[1:]):  # receivers first, the API last
-            await runner.cleanup()
-        if self._pipeline is not None and self._pipeline_task is not None:
-            self._pipeline.stop()
-            if not self._pipeline_task.done():
-                await self._pipeline_task
-            if self.alerting is not None:  # after the last spikes were written, before the writer thread ends
-                await self.alerting.stop()
-            self._pipeline.close()
-        if self._runners:
-            await self._runners[0].cleanup()
-        self._runners.clear()
-        if self._failed is not None and not self._failed.done():
-            self._failed.cancel()
-        if getattr(self, "engine", None) is not None:
-            self.engine.dispose()
+        await self.components.stop()

@@ -26,10 +26,10 @@ def install_exported_metrics(cfg: Config, pipeline: IngestPipeline, telemetry: C
     spans = None
     if cfg.collector.span_metrics:
         spans = SpanMetrics(cfg.collector.span_metrics_max_series)
-        pipeline.commit_hooks.append(spans.add)
+        pipeline.commit_hooks.add(spans.add)
         telemetry.registry.register(spans)
     resources = ResourceMetrics(RESOURCE_MAX_SERIES)
-    pipeline.commit_hooks.append(resources.add)
+    pipeline.commit_hooks.add(resources.add)
     telemetry.registry.register(resources)
     telemetry.registry.register(SpikeMetrics(reader))
     return spans

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collector.ingest_queue import ByteBudget, IngestQueue, QueueFull
-from collector.pipeline import StorageUnavailable
+from collector.storage_unavailable import StorageUnavailable
 from collector.telemetry import CollectorTelemetry
 from spikehound.config import CollectorConfig
 from spikehound.otlp import Decoded, Limits

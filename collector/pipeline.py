@@ -15,14 +15,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
+from collector.commit_hooks import CommitHooks
 from collector.detection import detection_settings
+from collector.detector_metrics import DetectorMetrics
 from collector.ingest_queue import IngestQueue, Submission
 from collector.retention import RetentionRunner
+from collector.storage_unavailable import StorageUnavailable
 from collector.telemetry import CollectorTelemetry
+from collector.writer_thread import WriterThread
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.backoff import Backoff
 from spikehound.config import Config
@@ -34,7 +37,6 @@ from storage.retention import Retention
 from storage.writer import SpanBlock, WriteBatch, Writer
 
 log = logging.getLogger("spikehound.collector.pipeline")
-T = TypeVar("T")
 
 NS = 1_000_000_000
 CHECKPOINT_NAME = "detection"
@@ -43,21 +45,25 @@ RETENTION_INTERVAL_SECONDS = 300.0
 STORAGE_RETRY_BACKOFF = Backoff(initial=0.25, most=5.0)  # 0.25, 0.5, 1, 2, 4, then 5 s between write attempts
 
 
-class StorageUnavailable(Exception):
-    """The batch could not be committed; the sender should retry."""
-
-
 class IngestPipeline:
-    """Owns the writer thread and the latency windows; runs as one background task."""
+    """Owns the latency windows and the detectors; runs as one background task from ``start`` until ``stop``.
 
-    def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, telemetry: CollectorTelemetry) -> None:
+    Every write goes through ``writer_thread``, which the collector lends to retention and alerting as well.
+    The detector metrics (``detector_metrics``) are for the daemon to register.
+    """
+
+    name = "ingest pipeline"
+
+    def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, writer_thread: WriterThread,
+                 telemetry: CollectorTelemetry) -> None:
         self.cfg = cfg
         self.queue = queue
         self.writer = writer
+        self.writer_thread = writer_thread
         self.telemetry = telemetry
         self.settings = detection_settings(cfg)
         self.engine = DetectionEngine(self.settings)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spikehound-writer")
+        self.detector_metrics = DetectorMetrics(self.detector_stats)
         self.healthy = True  # False while the last commit failed; /readyz reports it
         # Called on the event loop with every spike state written (opened, updated, resolved).
         self.spike_listeners: list[Callable[[list[Spike]], None]] = []
@@ -67,54 +73,55 @@ class IngestPipeline:
         self._last_input = time.monotonic()
         self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
         self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
-        self.retention = RetentionRunner(Retention(writer.engine), telemetry)
+        self.retention = RetentionRunner(Retention(writer.engine), telemetry, writer_thread)
         self._failures = 0
         self._detector_errors_seen: set[tuple[str, str]] = set()
         self._stopping = False
-        self.commit_hooks: list[Callable[[WriteBatch], None]] = []  # told of every committed batch, on the writer
-        telemetry.add_counter_source(self._counters)
-        telemetry.add_gauge_source(self._gauges)
+        self._task: asyncio.Task[None] | None = None
+        self._failed: asyncio.Future[None] | None = None
+        # Told of every committed batch, on the writer thread; a failing hook never fails the commit.
+        self.commit_hooks = CommitHooks(on_failure=self._commit_hook_failed)
 
-    def _counters(self) -> dict[str, tuple[str, float]]:
-        st = self.engine.stats()
-        return {
-            "spikehound_latency_late_spans": ("Entry spans that arrived after their window closed "
-                                              "(stored, not counted in window percentiles).", st["late_spans"]),
-            "spikehound_latency_stream_overflow_spans": ("Entry spans not aggregated because the stream "
-                                                         "limit (collector.max_streams) was reached.",
-                                                         st["overflow_spans"]),
-            "spikehound_detector_evicted_streams": ("Quiet streams whose learned baseline was dropped to stay "
-                                                    "within collector.max_streams.", st["evicted_streams"]),
-            "spikehound_detector_judged_windows": ("Closed windows of latency streams (entry and hop) judged "
-                                                   "by the detectors.", st["judged_windows"]),
-            "spikehound_trace_buffer_evicted_traces": ("Traces dropped from the attribution buffer to stay "
-                                                       "within detection.trace_buffer_spans.",
-                                                       st["trace_buffer_evicted_traces"]),
-            "spikehound_attribution_missing_traces": ("Spike updates that found none of their slow traces in "
-                                                      "the attribution buffer.", st["attributions_without_traces"]),
-            "spikehound_resource_late_points": ("Metric samples that arrived after their window was judged.",
-                                                st["resource_late_points"]),
-            "spikehound_resource_overflow_points": ("Metric samples not judged because the resource series "
-                                                    "limit was reached.", st["resource_overflow_points"]),
-        }
+    def detector_stats(self) -> dict[str, int]:
+        """The detection engine's own figures now (the detector metrics read them when scraped)."""
+        return self.engine.stats()
 
-    def _gauges(self) -> dict[str, tuple[str, float]]:
-        st = self.engine.stats()
-        return {
-            "spikehound_latency_streams": ("Latency streams with open windows.", st["streams"]),
-            "spikehound_detector_streams": ("Latency streams with a learned baseline.", st["judged_streams"]),
-            "spikehound_detector_open_spikes": ("Spikes the detectors hold open now (restored from the "
-                                                "checkpoint after a restart).", st["open_spikes"]),
-            "spikehound_trace_buffer_spans": ("Spans held for attribution.", st["trace_buffer_spans"]),
-            "spikehound_resource_series": ("Resource series watched by the resource detectors.",
-                                           st["resource_series"]),
-        }
+    async def start(self) -> None:
+        """Continue from the checkpoint, then take the queue in a background task (see ``failed``)."""
+        self._failed = asyncio.get_running_loop().create_future()
+        await self.restore()
+        self._task = asyncio.create_task(self.run(), name="ingest-pipeline")
+        self._task.add_done_callback(self._ended)
+
+    def failed(self) -> asyncio.Future[None]:
+        """Completes with the error if the pipeline's task ends before ``stop`` was called."""
+        assert self._failed is not None, "start() first"
+        return self._failed
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if self._stopping or self._failed is None or self._failed.done():
+            return  # an error while stopping is raised by stop() itself
+        if task.cancelled():
+            self._failed.set_exception(RuntimeError("ingest pipeline cancelled"))
+        else:
+            self._failed.set_exception(task.exception() or RuntimeError("ingest pipeline ended"))
+
+    async def stop(self) -> None:
+        """Take no new batches once the queue is empty: commit everything accepted, write the pending windows and
+        spikes, save the checkpoint."""
+        self._stopping = True
+        try:
+            if self._task is not None and not self._task.done():
+                await self._task
+        finally:
+            if self._failed is not None and not self._failed.done():
+                self._failed.cancel()
 
     async def restore(self) -> None:
         """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
         await self._restore_checkpoint()
         self._open_ids = {s.id for s in self.engine.open_spikes()}
-        stored = await self._on_writer(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
+        stored = await self.writer_thread.run(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
         # Opened after the checkpoint the detectors continue from (the collector was killed in between): the
         # detectors do not know them, so nothing would ever resolve them. They are closed at the last window
         # that saw them anomalous, once event time has moved past it (alerting announces them meanwhile, as
@@ -145,7 +152,7 @@ class IngestPipeline:
             self._pending.spikes.extend(due)
 
     async def _restore_checkpoint(self) -> None:
-        found = await self._on_writer(checkpoints.load, self.writer.engine, CHECKPOINT_NAME)
+        found = await self.writer_thread.run(checkpoints.load, self.writer.engine, CHECKPOINT_NAME)
         if found is None:
             log.info("detectors start fresh: no checkpoint")
             return
@@ -154,13 +161,13 @@ class IngestPipeline:
                         found.format, CHECKPOINT_FORMAT)
             return
         try:
-            self.engine = await self._on_writer(DetectionEngine.restore, self.settings, found.state)
+            self.engine = await self.writer_thread.run(DetectionEngine.restore, self.settings, found.state)
         except Exception as exc:
             log.warning("detectors start fresh: the checkpoint cannot be continued (%s: %s)",
                         exc.__class__.__name__, exc)
             return
         latest = time.time_ns() + int(self.cfg.collector.max_clock_skew_seconds * NS)
-        if await self._on_writer(self.engine.limit_event_time, latest):
+        if await self.writer_thread.run(self.engine.limit_event_time, latest):
             log.warning("the checkpoint's event time ran past this collector's clock plus "
                         "collector.max_clock_skew_seconds (a sender's clock was wrong): brought back, and the "
                         "windows beyond dropped")
@@ -185,9 +192,6 @@ class IngestPipeline:
         # Open windows are not flushed: they are in the checkpoint, and a restart continues them.
         await self._write_pending()
         await self.checkpoint()
-
-    def stop(self) -> None:
-        self._stopping = True
 
     async def _commit(self, taken: list[Submission]) -> None:
         spans = [s for sub in taken for s in sub.spans]
@@ -220,13 +224,13 @@ class IngestPipeline:
             self._close_orphans()
 
     def _write_and_detect(self, batch: WriteBatch) -> Detection:
-        """On the writer thread: commit, then feed what was committed to the detectors (keeps the loop free)."""
+        """On the writer thread: commit, then feed what was committed to the detectors (keeps the loop free).
+
+        Only the commit may raise: the hooks and the detectors after it count their own failures, so that a
+        batch on disk is never answered as a failed write.
+        """
         self.writer.write(batch)
-        for hook in self.commit_hooks:  # the batch is committed: a failing hook costs its own figures only
-            try:
-                hook(batch)
-            except Exception as exc:
-                self._count_failure("metrics", "a commit hook (span or resource metrics)", exc)
+        self.commit_hooks.run(batch)
         if not batch.spans and not batch.points:
             return Detection()
         return self._detect(self._add_and_advance, batch)
@@ -243,8 +247,11 @@ class IngestPipeline:
             self._count_failure("detectors", "the detectors", exc)
             return Detection()
 
+    def _commit_hook_failed(self, exc: Exception) -> None:
+        self._count_failure("metrics", "a commit hook (span or resource metrics)", exc)
+
     def _count_failure(self, part: str, what: str, exc: Exception) -> None:
-        self.telemetry.detector_errors.labels(part).inc()
+        self.detector_metrics.errors.labels(part).inc()
         kind = (part, exc.__class__.__name__)
         if kind not in self._detector_errors_seen:  # one traceback per part and kind, not one per batch
             self._detector_errors_seen.add(kind)
@@ -298,7 +305,7 @@ class IngestPipeline:
         """Save the detectors' learned state (on the writer thread, between two commits)."""
         started = time.perf_counter()
         try:
-            await self._on_writer(self._save_checkpoint)
+            await self.writer_thread.run(self._save_checkpoint)
         except Exception as exc:
             log.error("detector checkpoint failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
             return
@@ -307,19 +314,11 @@ class IngestPipeline:
     def _save_checkpoint(self) -> None:
         checkpoints.save(self.writer.engine, CHECKPOINT_NAME, CHECKPOINT_FORMAT, self.engine.snapshot())
 
-    async def _on_writer(self, fn: Callable[..., T], *args: Any) -> T:
-        # The detection engine is only ever touched from the writer thread, so it needs no lock.
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    async def on_writer(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` on the writer thread between two commits: SQLite's one writer (alerts use it)."""
-        return await self._on_writer(fn, *args)
-
     async def _write(self, batch: WriteBatch) -> Detection:
         """Commit ``batch``; return what the detectors made of it."""
         started = time.perf_counter()
         try:
-            detected = await self._on_writer(self._write_and_detect, batch)
+            detected = await self.writer_thread.run(self._write_and_detect, batch)
         except Exception:
             self.healthy = False
             self.telemetry.write_errors.inc()
@@ -347,7 +346,7 @@ class IngestPipeline:
             if watermark is not None:  # never past the clock plus the skew the receivers allow
                 latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
                 advance = max(min(advance, latest - watermark), 0)
-            detected = await self._on_writer(self._detect, self.engine.advance, advance)
+            detected = await self.writer_thread.run(self._detect, self.engine.advance, advance)
             self._pending.windows.extend(detected.windows)
             self._pending.spikes.extend(detected.spikes)
         if self._orphans:
@@ -359,10 +358,7 @@ class IngestPipeline:
             await self.run_retention()
 
     async def run_retention(self) -> None:
-        await self.retention.run(self.cfg.storage, self._on_writer)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        await self.retention.run(self.cfg.storage)
 
 
 def _last_anomalous_end(spike: Spike) -> int:

@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from collector.telemetry import CollectorTelemetry
+from collector.writer_thread import WriterThread
 from spikehound.config import StorageConfig
 from storage.retention import Retention, RetentionPolicy, RetentionResult
 
 log = logging.getLogger("spikehound.collector.retention")
-OnWriter = Callable[..., Awaitable[Any]]
 
 
 def policy_for(storage: StorageConfig) -> RetentionPolicy:
@@ -31,12 +29,13 @@ def policy_for(storage: StorageConfig) -> RetentionPolicy:
 class RetentionRunner:
     """One collector's retention; ``run`` may be called from the pipeline's tick and from a reload."""
 
-    def __init__(self, retention: Retention, telemetry: CollectorTelemetry) -> None:
+    def __init__(self, retention: Retention, telemetry: CollectorTelemetry, writer_thread: WriterThread) -> None:
         self.retention = retention
         self.telemetry = telemetry
+        self.writer_thread = writer_thread
         self._lock = asyncio.Lock()  # a reload's run and the periodic one never overlap
 
-    async def run(self, storage: StorageConfig, on_writer: OnWriter) -> RetentionResult | None:
+    async def run(self, storage: StorageConfig) -> RetentionResult | None:
         """Apply ``storage``'s caps now; None when it failed (logged, retried at the next run)."""
         policy = policy_for(storage)
         async with self._lock:
@@ -44,7 +43,7 @@ class RetentionRunner:
             try:
                 if policy.size_capped:
                     await asyncio.get_running_loop().run_in_executor(None, self.retention.measure, now)
-                result: RetentionResult = await on_writer(self.retention.enforce, policy, now)
+                result: RetentionResult = await self.writer_thread.run(self.retention.enforce, policy, now)
             except Exception as exc:
                 log.error("retention failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
                 return None

@@ -7,24 +7,7 @@ base units (seconds, items).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
-
-class _ReadOnScrape(Collector):
-    """Counters or gauges owned by pure computation (the detectors), read when scraped."""
-
-    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]],
-                 family: type[CounterMetricFamily] | type[GaugeMetricFamily]) -> None:
-        self._read = read
-        self._family = family
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        for name, (doc, value) in self._read().items():
-            yield self._family(name, doc, value=value)
 
 
 class CollectorTelemetry:
@@ -81,11 +64,6 @@ class CollectorTelemetry:
                                        registry=r)
         self.write_errors = Counter("spikehound_storage_write_errors", "Write batches that failed to commit.",
                                     registry=r)
-        self.detector_errors = Counter("spikehound_detector_errors",
-                                       "Committed batches that the detectors or a metrics hook failed on (stored "
-                                       "and acknowledged anyway; their windows or span metrics may miss them). "
-                                       "The first of each kind is logged with its traceback.", ["part"],
-                                       registry=r)
         self.windows_closed = Counter("spikehound_latency_windows_closed",
                                       "Event-time latency windows closed and stored.", registry=r)
         self.spikes = Counter("spikehound_spikes", "Spike state changes written to storage.", ["event"], registry=r)
@@ -101,9 +79,3 @@ class CollectorTelemetry:
         self.stored_metric_points = Gauge("spikehound_storage_metric_points",
                                           "Stored metric points, as retention last measured "
                                           "(storage.metric_retention_max_points caps it).", registry=r)
-
-    def add_counter_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
-        self.registry.register(_ReadOnScrape(read, CounterMetricFamily))
-
-    def add_gauge_source(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
-        self.registry.register(_ReadOnScrape(read, GaugeMetricFamily))

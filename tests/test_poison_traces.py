@@ -95,7 +95,7 @@ def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(quick
     """A bug the input sets off (injected here: the one fake) is counted and logged once; the sender is told
     its spans are stored, they are, and the next batch is detected as usual."""
     c = quick_collector
-    engine = c.collector._pipeline.engine
+    engine = c.collector.pipeline.engine
     calls = []
 
     def failing_add(spans, points):
@@ -130,7 +130,7 @@ def test_a_failing_commit_hook_costs_its_own_figures_only(quick_collector: Colle
     def failing_hook(batch):
         raise ValueError("a metrics bug")
 
-    c.collector._pipeline.commit_hooks.insert(0, failing_hook)
+    c.collector.pipeline.commit_hooks.add(failing_hook)
     caplog.set_level(logging.ERROR, logger="collector.pipeline")
     trace_id = os.urandom(16)
     assert post(c, request(span(trace_id)).SerializeToString()).status_code == 200

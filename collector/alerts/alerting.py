@@ -30,9 +30,10 @@ from sqlalchemy import Engine
 from collector.alerts.outbox import OutboxDelivery
 from collector.alerts.routing import Decision, Router
 from collector.alerts.silences import Silence
-from collector.alerts.store import AlertStore, RunOnWriter
+from collector.alerts.store import AlertStore
 from collector.alerts.telemetry import AlertTelemetry
 from collector.notifiers import notifier_for
+from collector.writer_thread import WriterThread
 from spikehound.config import Config
 from spikehound.model import Spike
 from storage.alerts import OutboxEntry, OutboxRow
@@ -59,11 +60,11 @@ def public_url(cfg: Config, api_port: int) -> str:
 
 
 class Alerting:
-    def __init__(self, cfg: Config, engine: Engine, registry: CollectorRegistry, *,
-                 run_on_writer: RunOnWriter | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: Config, engine: Engine, registry: CollectorRegistry, writer_thread: WriterThread, *,
+                 clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.store = AlertStore(engine, run_on_writer)
+        self.store = AlertStore(engine, writer_thread)
         self.router = Router(cfg.alerts, clock=clock)
         self.telemetry = AlertTelemetry(registry, lambda: self.router.counts)
         self.delivery = OutboxDelivery(cfg.alerts, self.store, self.telemetry, clock=clock)

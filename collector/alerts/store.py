@@ -10,27 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
+from collector.writer_thread import WriterThread
 from storage import alerts as db
 
 T = TypeVar("T")
-RunOnWriter = Callable[..., Awaitable[Any]]
 
 
 class AlertStore:
-    def __init__(self, engine: Engine, run_on_writer: RunOnWriter | None = None) -> None:
+    """The alert tables: writes on ``writer_thread`` (the collector's one writer), reads on other threads."""
+
+    def __init__(self, engine: Engine, writer_thread: WriterThread) -> None:
         self.engine = engine
-        self._write_fn = run_on_writer
+        self.writer_thread = writer_thread
 
     async def _write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        call = functools.partial(fn, self.engine, *args, **kwargs)
-        if self._write_fn is None:
-            return await asyncio.to_thread(call)
-        return await self._write_fn(call)
+        return await self.writer_thread.run(functools.partial(fn, self.engine, *args, **kwargs))
 
     async def _read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(functools.partial(fn, self.engine, *args, **kwargs))
