@@ -1,6 +1,6 @@
 """``spikehound compare`` end to end: OpenTelemetry SDK services -> a real collector -> REST API -> exit code.
 
-The services are ``tests.serving_stack``: real SDK tracers and OTLP/gRPC
+The services are ``tests.support.serving_stack``: real SDK tracers and OTLP/gRPC
 exporters, with latencies from a seeded model (see its docstring for why not
 ``time.sleep``). Version B adds 15 ms to preprocessing for 5 % of requests, so
 its p99 grows while its median does not.
@@ -9,10 +9,7 @@ its p99 grows while its median does not.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,22 +17,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.daemons import CollectorProcess, CollectorThread
-from tests.serving_stack import Latency, VersionedStack, drive
+from harness.daemons import CollectorProcess, CollectorThread
+from tests.support.cli import NS, spikehound, unix
+from tests.support.serving_stack import Latency, VersionedStack, drive
 
 SLOWER = Latency().slower_preprocessing(fraction=0.05, extra_ms=15.0)
-NS = 1_000_000_000
 
 
-def spikehound(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEHOUND_")}
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def unix(ns: int) -> str:
-    """Unix seconds with every nanosecond (a float would round them)."""
-    return f"{ns // NS}.{ns % NS:09d}"
 
 
 def window(since: int, until: int) -> list[str]:
