@@ -35,9 +35,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import strategies as st
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from schemathesis import Case, GenerationMode
 
 from harness.api_checks import ANSWER_CHECKS, check_known, loaded_collector, logged_errors

@@ -10,15 +10,14 @@ from collections.abc import Sequence
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 
 def hex_key(span: ReadableSpan) -> tuple[str, str]:
+    """(trace id, span id) in hex, as the API shows them."""
     return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
 
 

@@ -25,10 +25,12 @@ FOREVER = 2**62
 
 
 def tid(n: int) -> bytes:
+    """A trace id made from ``n``."""
     return n.to_bytes(16, "big")
 
 
 def sid(n: int) -> bytes:
+    """A span id made from ``n``."""
     return n.to_bytes(8, "big")
 
 
@@ -36,6 +38,7 @@ def make_span(trace: int, span: int, parent: int | None = None, *, service: str 
               name: str = "POST /predict", kind: SpanKind = SpanKind.SERVER, start: int = T0, duration: int = 5 * MS,
               status: StatusCode = StatusCode.UNSET, attributes: dict[str, Any] | None = None,
               events: list[dict[str, Any]] | None = None, resource: dict[str, Any] | None = None) -> Span:
+    """Span ``span`` of trace ``trace`` (child of ``parent``), 5 ms from ``T0`` on gateway unless told."""
     return Span(trace_id=tid(trace), span_id=sid(span), parent_span_id=sid(parent) if parent else None,
                 service=service, host=host, name=name, kind=kind, start_unix_nano=start,
                 end_unix_nano=start + duration, status=status, attributes=attributes or {}, events=events or [],
@@ -44,12 +47,14 @@ def make_span(trace: int, span: int, parent: int | None = None, *, service: str 
 
 def point(t: int, value: float, *, host: str = "gpu-1", name: str = "hw.gpu.utilization",
           attributes: dict[str, Any] | None = None, unit: str = "1") -> MetricPoint:
+    """A GPU utilization sample of gpu-1's GPU-0 unless told."""
     return MetricPoint(host=host, name=name, attributes=attributes if attributes is not None else {"hw.id": "GPU-0"},
                        time_unix_nano=t, value=value, kind=MetricKind.GAUGE, unit=unit)
 
 
 def window(start: int, p99_ms: float, *, service: str = "gateway", operation: str = "POST /predict",
            count: int = 100) -> LatencyWindow:
+    """A 10 s window of ``count`` requests whose p99 is ``p99_ms`` (the other quantiles below it)."""
     p99 = int(p99_ms * MS)
     return LatencyWindow(service=service, operation=operation, start_unix_nano=start, end_unix_nano=start + 10 * S,
                          count=count, p50_ns=p99 // 4, p95_ns=p99 // 2, p99_ns=p99, max_ns=p99 + MS)
