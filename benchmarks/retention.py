@@ -1,7 +1,7 @@
 """Retention's cost and the disk a stored span or point takes, for sizing the caps (docs/operations.md).
 
 Run from the repository root: ``python -m benchmarks.retention`` (SQLite in a temporary directory), with
-``--postgres`` to also run on a throwaway PostgreSQL server (tests/pgserver.py), or ``--db URL``.
+``--postgres`` to also run on a throwaway PostgreSQL server (harness/pgserver.py), or ``--db URL``.
 
 What is measured, on one store filled through the real ``storage.writer.Writer``:
 
@@ -143,7 +143,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run(args.db or f"sqlite:///{Path(tmp) / 'spikehound.db'}", args.blocks, args.points)
     if args.postgres:
-        from tests.pgserver import PostgresServer
+        from harness.pgserver import PostgresServer
 
         server = PostgresServer()
         server.start()

@@ -6,15 +6,21 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
+from sqlalchemy import Engine, event
 
-from tests.daemons import CollectorThread, collector_config
-from tests.pgserver import PostgresServer, find_pg_bin
-
-IN_CI = os.environ.get("CI") == "true"
+from harness.daemons import CollectorThread, collector_config
+from harness.pgserver import PostgresServer, find_pg_bin
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.reader import Reader
+from storage.writer import WriteBatch, Writer
+from tests.support.ci import IN_CI
+from tests.support.storage_data import NOW, SPIKES, T0, S, make_span, point, window
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +62,40 @@ def collector(db_url: str) -> Iterator[CollectorThread]:
 def sqlite_collector(tmp_path: Path) -> Iterator[CollectorThread]:
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'spikehound.db'}")) as running:
         yield running
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """A migrated database of each kind (SQLite, then PostgreSQL)."""
+    eng = make_engine(db_url)
+    upgrade(eng)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Reader, list[tuple[str, Any]]]]:
+    """A reader over a small SQLite database of every kind of record, and the SQL statements it runs (for
+    their query plans: tests/test_storage.py, tests/test_web_pages.py)."""
+    eng = make_engine(f"sqlite:///{Path(tmp_path_factory.mktemp('plans')) / 'plans.db'}")
+    upgrade(eng)
+    writer = Writer(eng)
+    for s in (1, 2, 3):  # every trace spread over three requests
+        writer.write(WriteBatch(spans=[make_span(t, s, s - 1 if s > 1 else None, name=f"op-{s}")
+                                       for t in range(1, 30)]), now_ns=NOW)
+    writer.write(WriteBatch(
+        points=[point(T0 + i * S, float(i), host=f"gpu-{i % 3}", attributes={"hw.id": f"GPU-{i % 2}"})
+                for i in range(60)],
+        windows=[window(T0 + i * 10 * S, 10, operation=f"op-{i % 3}") for i in range(60)],
+        spikes=SPIKES), now_ns=NOW)
+    statements: list[tuple[str, Any]] = []
+
+    @event.listens_for(eng, "before_cursor_execute")
+    def _capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        statements.append((statement, parameters))
+
+    yield Reader(eng), statements
+    eng.dispose()
 
 
 # Hypothesis (tests/test_fuzz.py): derandomized in make test and CI, so a run is the same every time and a

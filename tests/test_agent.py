@@ -14,10 +14,9 @@ import os
 import resource
 import sqlite3
 import statistics
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import closing
 from pathlib import Path
@@ -27,7 +26,6 @@ import grpc
 import pytest
 import requests
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -37,13 +35,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from agent.enrich import machine_id
+from harness.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config
 from spikehound import __version__
-from tests.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config
+from tests.support.api_client import get_json, wait_json
+from tests.support.sdk_traffic import SdkApp, send_spans, trace_request
+from tests.support.waiting import eventually
 
 HOST = "gpu-node-3"
 TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -55,105 +53,9 @@ OUTAGE_SECONDS = float(os.environ.get("SPIKEHOUND_TEST_OUTAGE_SECONDS", "60"))
 # --- helpers ------------------------------------------------------------------------------------
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {result!r})")
-        time.sleep(every)
-
-
-def get_json(url: str, **params: str) -> Any:
-    r = requests.get(url, params=params or None, timeout=10)
-    return r.json() if r.status_code == 200 else None
-
-
 def wait_trace(api: str, trace_id: str, spans: int, timeout: float = 20) -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        body = get_json(f"{api}/api/v1/traces/{trace_id}")
-        return body if body and len(body["spans"]) == spans else None
-
-    return wait_until(ready, timeout, f"trace {trace_id} with {spans} spans in the collector")
-
-
-def hex_key(span: ReadableSpan) -> tuple[str, str]:
-    return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
-
-
-class Recording(SpanExporter):
-    """Wraps a real exporter; remembers which spans the receiver acknowledged and which exports failed."""
-
-    def __init__(self, inner: SpanExporter) -> None:
-        self.inner = inner
-        self._lock = threading.Lock()
-        self._acked: set[tuple[str, str]] = set()
-        self._failed: set[tuple[str, str]] = set()
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        result = self.inner.export(spans)
-        with self._lock:
-            (self._acked if result is SpanExportResult.SUCCESS else self._failed).update(hex_key(s) for s in spans)
-            self.spans.extend(spans)
-        return result
-
-    @property
-    def acked(self) -> set[tuple[str, str]]:
-        with self._lock:
-            return set(self._acked)
-
-    @property
-    def failed(self) -> set[tuple[str, str]]:
-        with self._lock:
-            return set(self._failed)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-
-def send_spans(exporter: SpanExporter, resource: dict[str, str], n: int = 4) -> Recording:
-    """``n`` small traces (a server span with two children) through the SDK; returns once exported."""
-    recording = Recording(exporter)
-    provider = TracerProvider(resource=Resource.create(resource))
-    provider.add_span_processor(BatchSpanProcessor(recording, schedule_delay_millis=50))
-    tracer = provider.get_tracer("agent-test")
-    for i in range(n):
-        with tracer.start_as_current_span("POST /v1/generate", kind=trace.SpanKind.SERVER,
-                                          attributes={"request.index": i}):
-            for step in ("prefill", "decode"):
-                with tracer.start_as_current_span(step):
-                    pass
-    provider.shutdown()
-    return recording
-
-
-def trace_request(service: str, spans: int = 1, host: str | None = None, trace_id: bytes | None = None,
-                  padding: int = 40, size: int | None = None) -> tuple[bytes, bytes]:
-    """A serialized ExportTraceServiceRequest of ``spans`` spans in one new trace, and the trace id.
-
-    Each span has a ``padding`` attribute of that many bytes; with ``size``, the last span's is grown or
-    shrunk until the request is ``size`` bytes.
-    """
-    trace_id = trace_id or os.urandom(16)
-    now = time.time_ns()
-    req = ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    rs.resource.attributes.add(key="service.name").value.string_value = service
-    if host:
-        rs.resource.attributes.add(key="host.name").value.string_value = host
-    scope = rs.scope_spans.add()
-    for i in range(spans):
-        sp = scope.spans.add(trace_id=trace_id, span_id=os.urandom(8), name=f"step-{i % 4}", kind=2,
-                             start_time_unix_nano=now - 3_000_000 + i, end_time_unix_nano=now + i)
-        sp.attributes.add(key="padding").value.string_value = "x" * padding
-    last = scope.spans[-1].attributes[0].value
-    while size is not None and req.ByteSize() != size:  # length prefixes grow with the padding: settle it
-        last.string_value = "x" * (len(last.string_value) + size - req.ByteSize())
-    return req.SerializeToString(), trace_id
+    return wait_json(f"{api}/api/v1/traces/{trace_id}", lambda body: len(body["spans"]) == spans, timeout,
+                     what=f"trace {trace_id} with {spans} spans in the collector")
 
 
 def retry_info(exc: grpc.RpcError, code: int = code_pb2.RESOURCE_EXHAUSTED) -> float | None:
@@ -305,54 +207,19 @@ def test_sdk_spans_through_the_agent_carry_the_host_and_its_metrics(sqlite_colle
         mine = [h for h in hosts if h["host"] == HOST]
         return mine[0] if mine and wanted <= set(mine[0]["metrics"]) else None
 
-    wait_until(host_listed, 20, f"{HOST} with {sorted(wanted)} in /api/v1/hosts")
+    eventually(host_listed, f"{HOST} with {sorted(wanted)} in /api/v1/hosts", 20)
     memory = get_json(f"{api}/api/v1/metrics", host=HOST, name="system.memory.utilization")
     values = [p["value"] for s in memory["series"] for p in s["points"]]
     assert values and all(0 < v <= 1 for v in values), values
     assert all(s["host"] == HOST and s["unit"] == "1" for s in memory["series"])
     assert agent.metric("spikehound_agent_received_total", signal="spans", protocol="grpc") == 12
     assert agent.metric("spikehound_agent_received_total", signal="spans", protocol="http") == 13
-    wait_until(lambda: agent.metric("spikehound_agent_forwarded_total", signal="spans") == 25, 10,
-               "the agent counts 25 forwarded spans")
+    eventually(lambda: agent.metric("spikehound_agent_forwarded_total", signal="spans") == 25,
+               "the agent counts 25 forwarded spans", 10)
     assert agent.terminate(30) == 0, agent.log_tail()
 
 
 # --- b: a collector outage with an agent restart in the middle -----------------------------------
-
-
-class SdkApp:
-    """An application on the SDK sending ``traces_per_second`` traces of 10 spans to the agent (300 spans/s)."""
-
-    def __init__(self, endpoint: str, service: str, traces_per_second: float = 30) -> None:
-        # The default 10 s timeout: an export retries UNAVAILABLE while the agent restarts.
-        self.recording = Recording(GrpcSpanExporter(endpoint=endpoint, insecure=True, timeout=10))
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "pod-7"}))
-        self.provider.add_span_processor(BatchSpanProcessor(self.recording, max_export_batch_size=256,
-                                                            schedule_delay_millis=100, max_queue_size=8192))
-        self.period = 1 / traces_per_second
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sdk-app", daemon=True)
-
-    def _run(self) -> None:
-        tracer = self.provider.get_tracer("outage-test")
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            with tracer.start_as_current_span("POST /v1/generate", kind=trace.SpanKind.SERVER):
-                for step in ("tokenize", "prefill", *["decode"] * 6, "detokenize"):
-                    with tracer.start_as_current_span(step):
-                        pass
-            next_at += self.period
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-
-    def start(self) -> SdkApp:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop creating spans and export what is left (the agent is up by then)."""
-        self._stop.set()
-        self._thread.join(10)
-        self.provider.shutdown()
 
 
 @pytest.mark.slow
@@ -365,20 +232,20 @@ def test_collector_outage_and_agent_restart_lose_no_acknowledged_span(collector_
                    SPIKEHOUND_AGENT_DRAIN_SECONDS="2").start()
     app = SdkApp(agent.grpc_endpoint, "outage-app").start()
     try:
-        wait_until(lambda: agent.metric("spikehound_agent_forwarded_total", signal="spans") >= 600, 30,
-                   "spans forwarded before the outage")
+        eventually(lambda: agent.metric("spikehound_agent_forwarded_total", signal="spans") >= 600,
+                   "spans forwarded before the outage", 30)
 
         # The collector goes away for the outage.
         assert collector.terminate(30) == 0, collector.log_tail()
         outage_started = time.monotonic()
-        wait_until(lambda: agent.metric("spikehound_agent_spool_requests") > 0, OUTAGE_SECONDS / 2,
-                   "requests spilled to the agent's disk spool")
+        eventually(lambda: agent.metric("spikehound_agent_spool_requests") > 0,
+                   "requests spilled to the agent's disk spool", OUTAGE_SECONDS / 2)
         assert agent.metric("spikehound_agent_spilled_requests_total") > 0
         assert agent.metric("spikehound_agent_collector_up") == 0
 
         # ... and the agent restarts in the middle of it, with spilled data on disk.
-        wait_until(lambda: agent.metric("spikehound_agent_spool_requests") >= 5, OUTAGE_SECONDS / 2,
-                   "a few requests in the spool")
+        eventually(lambda: agent.metric("spikehound_agent_spool_requests") >= 5,
+                   "a few requests in the spool", OUTAGE_SECONDS / 2)
         acked_before_restart = len(app.recording.acked)
         assert agent.terminate(60) == 0, agent.log_tail()
         assert "left in the disk spool for the next start" in agent.log_text(), agent.log_tail()
@@ -387,10 +254,10 @@ def test_collector_outage_and_agent_restart_lose_no_acknowledged_span(collector_
         assert agent.metric("spikehound_agent_spool_requests") > 0
         assert agent.metric("spikehound_agent_spool_bytes") > 0
         # The application's exporter rode out the restart: exports are acknowledged again.
-        wait_until(lambda: len(app.recording.acked) > acked_before_restart + 300, 30,
-                   "the SDK acknowledged by the restarted agent")
-        wait_until(lambda: agent.metric("spikehound_agent_spilled_requests_total") > 0, 10,
-                   "the restarted agent spilling behind the old spool")
+        eventually(lambda: len(app.recording.acked) > acked_before_restart + 300,
+                   "the SDK acknowledged by the restarted agent", 30)
+        eventually(lambda: agent.metric("spikehound_agent_spilled_requests_total") > 0,
+                   "the restarted agent spilling behind the old spool", 10)
         assert agent.metric("spikehound_agent_forwarded_total", signal="spans") == 0  # still no collector
 
         time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - outage_started)))  # the outage the issue asks for
@@ -400,8 +267,8 @@ def test_collector_outage_and_agent_restart_lose_no_acknowledged_span(collector_
         back = time.monotonic()
 
         # The agent catches up on its own, then the application stops and the last spans go through.
-        wait_until(lambda: agent.metric("spikehound_agent_spool_requests") == 0, max(120.0, OUTAGE_SECONDS),
-                   "the spool drained after the collector came back", every=0.5)
+        eventually(lambda: agent.metric("spikehound_agent_spool_requests") == 0,
+                   "the spool drained after the collector came back", max(120.0, OUTAGE_SECONDS), every=0.5)
         # Shown with -s (the ten-minute run of docs/operations.md reads its figures here).
         print(f"\noutage {OUTAGE_SECONDS:.0f} s: {spooled[0]:.0f} requests ({spooled[1] / 1e6:.1f} MB) spooled; "
               f"drained {time.monotonic() - back:.1f} s after the collector came back")
@@ -413,7 +280,7 @@ def test_collector_outage_and_agent_restart_lose_no_acknowledged_span(collector_
         time.sleep(1.0)
         return agent_idle(agent) and agent.metric("spikehound_agent_forwarded_total", signal="spans") == first
 
-    wait_until(settled, 60, "the agent's queues empty and its forwarded count still")
+    eventually(settled, "the agent's queues empty and its forwarded count still", 60)
     acked, failed = app.recording.acked, app.recording.failed
     assert len(acked) > 1000
 
@@ -494,13 +361,13 @@ def test_full_spool_pushes_back_and_keeps_everything_it_acknowledged(collector_p
 
     # The collector appears on that port: everything acknowledged arrives, and the agent takes data again.
     collector_process.start()
-    wait_until(lambda: agent_idle(agent), 90, "the agent's spool drained into the collector", every=0.5)
+    eventually(lambda: agent_idle(agent), "the agent's spool drained into the collector", 90, every=0.5)
     payload, trace_id = trace_request("capped-app", spans=20)
     r = requests.post(f"{agent.http_endpoint}/v1/traces", data=payload,
                       headers={"Content-Type": "application/x-protobuf"}, timeout=5)
     assert r.status_code == 200, r.content
     acked[trace_id.hex()] = 20
-    wait_until(lambda: agent_idle(agent), 30, "the last request forwarded")
+    eventually(lambda: agent_idle(agent), "the last request forwarded", 30)
 
     # The collector answers after committing: everything forwarded is in the database, and served once.
     stored = Counter(trace_id for trace_id, _ in stored_span_counts(tmp_path / "spikehound.db", "capped-app")[0])
@@ -613,7 +480,7 @@ class RecordingRelay:
 def test_agent_metrics_go_out_as_otlp_with_their_own_resource(sqlite_collector: CollectorThread, agents):
     with RecordingRelay(sqlite_collector.grpc_endpoint) as relay:
         agent = agents(relay.endpoint, interval=0.2).start()
-        wait_until(lambda: len(relay.metrics) >= 15, 20, "15 metrics requests from the agent")
+        eventually(lambda: len(relay.metrics) >= 15, "15 metrics requests from the agent", 20)
         assert agent.terminate(30) == 0, agent.log_tail()
 
     series: dict[tuple[str, tuple[tuple[str, Any], ...]], list[tuple[int, float]]] = {}  # -> [(time, value)]
@@ -698,7 +565,7 @@ def test_a_full_disk_answers_unavailable_and_loses_nothing_acknowledged(collecto
     post.close()
     acked[trace_id.hex()] = 20
     collector_process.start()
-    wait_until(lambda: agent_idle(agent), 90, "the agent's spool drained into the collector", every=0.5)
+    eventually(lambda: agent_idle(agent), "the agent's spool drained into the collector", 90, every=0.5)
     served = served_span_counts(collector_process.api, set(acked))
     assert Counter(trace_id for trace_id, _ in served.elements()) == acked  # every acked request whole, once
     assert agent.metric("spikehound_agent_spool_corrupt_records_total") == 0  # the partial records were cut off
@@ -766,7 +633,7 @@ def test_requests_over_the_collectors_limit_are_split_and_never_stall_the_agent(
 
     # The agent's own samples keep arriving all along.
     before = memory_points(api)
-    wait_until(lambda: memory_points(api) >= before + 2, 20, "more of the agent's own samples")
+    eventually(lambda: memory_points(api) >= before + 2, "more of the agent's own samples", 20)
     assert agent.metric("spikehound_agent_forward_stalled_seconds") == 0
 
     log = agent.log_text()

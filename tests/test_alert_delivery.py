@@ -18,10 +18,11 @@ import orjson
 import pytest
 import requests
 
+from harness.daemons import CollectorThread, collector_config
 from spikehound.config import Config
 from spikehound.model import Cause, CauseKind, Spike
-from tests.alert_receivers import HookReceiver, signature_ok
-from tests.daemons import CollectorThread, collector_config
+from tests.support.alert_receivers import HookReceiver, signature_ok
+from tests.support.waiting import eventually
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -69,17 +70,6 @@ def outbox(running: CollectorThread, state: str | None = None) -> list[dict[str,
     r = requests.get(f"{running.api}/api/v1/alerts/outbox", params=params, timeout=5)
     r.raise_for_status()
     return r.json()["notifications"]
-
-
-def wait_for(what: str, check: Any, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -219,14 +209,14 @@ def test_a_receiver_that_is_down_then_back_gets_each_event_exactly_once(db_url):
         with CollectorThread(cfg) as running:
             s = spike(1)
             observe(running, s)
-            first = wait_for("failed attempts", lambda: [n for n in outbox(running) if n["attempts"] >= 2])
+            first = eventually(lambda: [n for n in outbox(running) if n["attempts"] >= 2], "failed attempts")
             assert "cannot connect" in first[0]["last_error"]
             # Back, but the first two answers are lost after the work was done: the sender must retry.
             hook.answers = [500, 500]
             hook.up()
-            wait_for("delivery", lambda: outbox(running, "delivered"))
+            eventually(lambda: outbox(running, "delivered"), "delivery")
             observe(running, ended(s))
-            wait_for("the resolve notice", lambda: len(outbox(running, "delivered")) == 2)
+            eventually(lambda: len(outbox(running, "delivered")) == 2, "the resolve notice")
             rows = outbox(running)
             delivered = running.metric("spikehound_alert_delivery_attempts_total", receiver="pager",
                                        result="delivered")
@@ -265,7 +255,7 @@ def test_an_unreadable_retry_after_is_ignored_and_the_outbox_moves_on(tmp_path, 
                  alerts__max_attempts=2)
     with CollectorThread(cfg) as running:
         observe(running, spike(1))
-        (dead,) = wait_for("a dead letter", lambda: outbox(running, "dead"), timeout=15)
+        (dead,) = eventually(lambda: outbox(running, "dead"), "a dead letter", 15)
         assert dead["attempts"] == 2 and dead["last_error"].startswith("HTTP 429")
         assert running.metric("spikehound_alert_delivery_attempts_total", receiver="pager", result="retry") == 1
         observe(running, spike(2, service="model-server"))  # the receiver's queue is not jammed behind it
@@ -284,13 +274,14 @@ def test_dead_letters_are_visible_through_the_api_and_can_be_sent_again(db_url, 
     cfg.alerts.routes.append(replace(cfg.alerts.routes[0], receiver="other", name="other", services=["model-*"]))
     with CollectorThread(cfg) as running:
         observe(running, spike(1))
-        (dead,) = wait_for("a dead letter", lambda: outbox(running, "dead"))
+        (dead,) = eventually(lambda: outbox(running, "dead"), "a dead letter")
         assert dead["attempts"] == 3 and dead["last_error"].startswith("HTTP 503")
         assert running.metric("spikehound_alert_delivery_attempts_total", receiver="pager", result="dead") == 1
 
         # A refusal that retrying cannot fix is dead at once.
         observe(running, spike(2, service="model-server"))
-        refused = wait_for("the refused one", lambda: [n for n in outbox(running, "dead") if n["receiver"] == "other"])
+        refused = eventually(lambda: [n for n in outbox(running, "dead") if n["receiver"] == "other"],
+                             "the refused one")
         assert refused[0]["attempts"] == 1 and "HTTP 404" in refused[0]["last_error"]
 
         one = requests.get(f"{running.api}/api/v1/alerts/outbox/{dead['id']}", timeout=5).json()
@@ -299,7 +290,7 @@ def test_dead_letters_are_visible_through_the_api_and_can_be_sent_again(db_url, 
         # Fixed: send it again by hand.
         r = requests.post(f"{running.api}/api/v1/alerts/outbox/{dead['id']}/retry", timeout=5)
         assert r.status_code == 200 and r.json()["state"] == "pending"
-        wait_for("redelivery", lambda: any(n["id"] == dead["id"] for n in outbox(running, "delivered")))
+        eventually(lambda: any(n["id"] == dead["id"] for n in outbox(running, "delivered")), "redelivery")
         again = requests.post(f"{running.api}/api/v1/alerts/outbox/{dead['id']}/retry", timeout=5)
         assert again.status_code == 409 and "delivered" in again.json()["error"]
         assert requests.post(f"{running.api}/api/v1/alerts/outbox/999999/retry", timeout=5).status_code == 404
@@ -314,7 +305,7 @@ def test_the_slack_url_is_never_logged_nor_shown(tmp_path, caplog):
                      alerts__max_attempts=2)
         with CollectorThread(cfg) as running:
             observe(running, spike(1))
-            (dead,) = wait_for("a dead letter", lambda: outbox(running, "dead"))
+            (dead,) = eventually(lambda: outbox(running, "dead"), "a dead letter")
             api_text = requests.get(f"{running.api}/api/v1/alerts/outbox/{dead['id']}", timeout=5).text
     from spikehound.config import effective, to_toml
 

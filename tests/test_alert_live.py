@@ -17,14 +17,16 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks.traffic import Scenario
+from harness.daemons import CollectorProcess, CollectorThread, collector_config
+from harness.scenario_io import scenario_requests, send
 from spikehound.model import Cause, CauseKind, Spike
+from spikehound.scenarios.traffic import Scenario
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.writer import WriteBatch, Writer
-from tests.alert_receivers import HookReceiver
-from tests.daemons import CollectorProcess, CollectorThread, collector_config
-from tests.scenario_io import scenario_requests, send
+from tests.support.alert_receivers import HookReceiver
+from tests.support.api_client import client_of, get_json
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -38,22 +40,12 @@ def _scenario() -> Scenario:
 
 
 def _outbox(api: str, state: str | None = None) -> list[dict[str, Any]]:
-    r = requests.get(f"{api}/api/v1/alerts/outbox", params={"state": state} if state else None, timeout=10)
-    r.raise_for_status()
-    return r.json()["notifications"]
+    return get_json(f"{api}/api/v1/alerts/outbox", **({"state": state} if state else {}))["notifications"]
 
 
 def _metric(api: str, name: str) -> float:
     text = requests.get(f"{api}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
-def _wait(what: str, check: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return found
 
 
 @contextmanager
@@ -63,7 +55,7 @@ def _paged_under_silence(tmp_path: Path, hook: HookReceiver, matchers: dict[str,
         {"name": "pager", "url": hook.url, "signing_secret": SECRET}],
         alerts__routes=[{"receiver": "pager", "resolve_wait_seconds": 0}])
     with CollectorThread(cfg) as running:
-        made = requests.post(f"{running.api}/api/v1/silences", timeout=5, json={
+        made = client_of(running.api).request("POST", "/api/v1/silences", json={
             "matchers": matchers, "duration_seconds": 3600, "comment": "known"})
         assert made.status_code == 201
         send(running.http_endpoint, scenario_requests(_scenario()))
@@ -71,7 +63,7 @@ def _paged_under_silence(tmp_path: Path, hook: HookReceiver, matchers: dict[str,
 
 
 def _spikes(api: str) -> list[dict[str, Any]]:
-    return requests.get(f"{api}/api/v1/spikes", timeout=5).json()["spikes"]
+    return get_json(f"{api}/api/v1/spikes")["spikes"]
 
 
 def test_a_silence_on_a_service_the_spike_only_moved_lets_it_page_then_resolve(tmp_path: Path):
@@ -100,9 +92,10 @@ def test_a_silence_on_a_service_the_spike_only_moved_lets_it_page_then_resolve(t
 def test_a_silence_on_the_service_of_its_cause_suppresses_it(tmp_path: Path):
     with HookReceiver(secret=SECRET.encode()) as hook, _paged_under_silence(tmp_path, hook,
                                                                             {"cause_service": "preprocess"}) as running:
-        spikes = _wait("the spike to resolve", lambda: [s for s in _spikes(running.api) if s["state"] == "resolved"])
-        silenced = _wait("the silence to be counted", lambda: running.metric(
-            "spikehound_alert_spikes_total", outcome="silenced", route="pager"))
+        spikes = eventually(lambda: [s for s in _spikes(running.api) if s["state"] == "resolved"],
+                            "the spike to resolve")
+        silenced = eventually(lambda: running.metric(
+            "spikehound_alert_spikes_total", outcome="silenced", route="pager"), "the silence to be counted")
         time.sleep(2)  # a page, had there been one, would have arrived by now
 
     # The spike is led by the gateway, but its slow query ran in preprocess: the silence covers it.
@@ -141,19 +134,20 @@ resolve_wait_seconds = 5
         collector.start()
         try:
             send(collector.http_endpoint, bodies[:cut])
-            (waiting,) = _wait("a failed delivery", lambda: [n for n in _outbox(collector.api) if n["attempts"] >= 1])
+            (waiting,) = eventually(lambda: [n for n in _outbox(collector.api) if n["attempts"] >= 1],
+                                    "a failed delivery")
             assert waiting["state"] == "pending" and waiting["status"] == "firing"
             # A checkpoint taken after the spike opened (one from before it would not know the spike).
             checkpoints = "spikehound_detector_checkpoint_seconds_count"
             seen = _metric(collector.api, checkpoints)
-            _wait("a detector checkpoint", lambda: _metric(collector.api, checkpoints) > seen)
+            eventually(lambda: _metric(collector.api, checkpoints) > seen, "a detector checkpoint")
             collector.kill()  # SIGKILL: no chance to do anything more
 
             hook.up()
             collector.start()
             (event,) = hook.wait_events(1, timeout=60)
             send(collector.http_endpoint, bodies[cut:])
-            _wait("the resolve notice", lambda: len(hook.events) == 2, timeout=120)
+            eventually(lambda: len(hook.events) == 2, "the resolve notice", 120)
             time.sleep(2)
             rows = _outbox(collector.api)
         finally:

@@ -16,12 +16,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from collector.rest import jaeger
 from collector.rest.app import build_app
 from collector.web.routes import is_web_path
+from harness.daemons import CollectorThread, collector_config
 from spikehound.model import AffectedStream, Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.writer import WriteBatch, Writer
-from tests.daemons import CollectorThread, collector_config
+from tests.support.api_client import ApiClient
 
 
 def one_span_request(service: str = "svc") -> tuple[ExportTraceServiceRequest, str]:
@@ -45,15 +46,16 @@ def one_span_request(service: str = "svc") -> tuple[ExportTraceServiceRequest, s
     ("/api/v1/spikes/nope", 404, "not found"),
 ])
 def test_bad_requests_say_what_is_wrong(sqlite_collector: CollectorThread, path: str, status: int, needle: str):
-    r = requests.get(sqlite_collector.api + path, timeout=5)
+    r = ApiClient(sqlite_collector.api).request("GET", path)
     assert r.status_code == status
     assert needle in r.json()["error"]
 
 
 def test_health_and_metrics(sqlite_collector: CollectorThread):
-    assert requests.get(f"{sqlite_collector.api}/healthz", timeout=5).json() == {"status": "ok"}
-    assert requests.get(f"{sqlite_collector.api}/readyz", timeout=5).status_code == 200
-    text = requests.get(f"{sqlite_collector.api}/metrics", timeout=5).text
+    api = ApiClient(sqlite_collector.api)
+    assert api.get_json("/healthz") == {"status": "ok"}
+    assert api.get("/readyz").status_code == 200
+    text = api.get("/metrics").text
     for name in ("spikehound_ingest_received_total", "spikehound_ingest_queue_capacity",
                  "spikehound_latency_late_spans_total", "spikehound_storage_write_seconds_bucket"):
         assert name in text, name
@@ -94,10 +96,11 @@ def test_spikes_are_served_in_the_brief_shape(tmp_path: Path):
                                  1_700_000_010 * 10**9, 251_000_000, 8_000_000, 7.25, 12)))]))
     engine.dispose()
     with CollectorThread(collector_config(url)) as c:
-        spikes = requests.get(f"{c.api}/api/v1/spikes", timeout=5).json()["spikes"]
-        one = requests.get(f"{c.api}/api/v1/spikes/sp1", timeout=5).json()
-        moved = requests.get(f"{c.api}/api/v1/spikes", params={"service": "model-server"}, timeout=5).json()
-        unmoved = requests.get(f"{c.api}/api/v1/spikes", params={"service": "postprocess"}, timeout=5).json()
+        api = ApiClient(c.api)
+        spikes = api.get_json("/api/v1/spikes")["spikes"]
+        one = api.get_json("/api/v1/spikes/sp1")
+        moved = api.get_json("/api/v1/spikes", service="model-server")
+        unmoved = api.get_json("/api/v1/spikes", service="postprocess")
     assert spikes == [one]
     assert one == {
         "id": "sp1", "service": "gateway", "operation": "POST /v1/predict", "state": "open",
@@ -122,11 +125,13 @@ def test_tokens_guard_api_and_otlp(tmp_path: Path):
     cfg = collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}", collector__api_token="api-secret",
                            collector__otlp_token="otlp-secret")
     with CollectorThread(cfg) as c:
+        # Not through ApiClient: the document lists no 401 answer (it declares the bearer scheme only), so the
+        # refusals are checked by status alone.
         assert requests.get(f"{c.api}/api/v1/services", timeout=5).status_code == 401
         assert requests.get(f"{c.api}/metrics", timeout=5).status_code == 401
         assert requests.get(f"{c.api}/healthz", timeout=5).status_code == 200  # probes need no token
-        ok = requests.get(f"{c.api}/api/v1/services", headers={"Authorization": "Bearer api-secret"}, timeout=5)
-        assert ok.status_code == 200
+        api = ApiClient(c.api, headers={"Authorization": "Bearer api-secret"})
+        assert api.get("/api/v1/services").status_code == 200
 
         req, trace_id = one_span_request()
         body = req.SerializeToString()
@@ -143,6 +148,19 @@ def test_tokens_guard_api_and_otlp(tmp_path: Path):
             stub.Export(one_span_request()[0], timeout=5, metadata=(("authorization", "Bearer otlp-secret"),))
         assert c.metric("spikehound_ingest_rejected_requests_total", protocol="grpc", reason="unauthenticated") == 1
         assert c.metric("spikehound_ingest_stored_total", signal="spans") == 2
-        trace = requests.get(f"{c.api}/api/v1/traces/{trace_id}", headers={"Authorization": "Bearer api-secret"},
-                             timeout=5)
-        assert trace.status_code == 200
+        assert api.get(f"/api/v1/traces/{trace_id}").status_code == 200
+
+
+def test_the_api_client_holds_answers_to_the_served_document(sqlite_collector: CollectorThread):
+    """tests/support/api_client.py itself: an answer unlike the document, or of an unlisted status, fails."""
+    api = ApiClient(sqlite_collector.api)
+    wrong = requests.Response()
+    wrong.status_code, wrong.headers["Content-Type"] = 200, "application/json"
+    wrong._content = b'{"spikes": [{"id": 7}]}'
+    with pytest.raises(AssertionError, match=r"(?s)GET /api/v1/spikes answered 200 with a body unlike .*"
+                                             r"at \$\.spikes\[0\]: 'service' is a required property"):
+        api.validate("GET", "/api/v1/spikes", wrong)
+    wrong.status_code = 418
+    with pytest.raises(AssertionError, match="answered 418, which GET /api/v1/spikes does not list"):
+        api.validate("GET", "/api/v1/spikes", wrong)
+    assert api.get_json("/api/v1/spikes", state="open") == {"spikes": []}

@@ -27,10 +27,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
 from detectors.batching import BatchRequest, analyze_batching, batch_requests
+from harness.daemons import CollectorThread, collector_config
 from spikehound.model import Span, StatusCode
 from spikehound.model import SpanKind as ModelKind
-from tests.daemons import CollectorThread, collector_config
-from tests.test_regression_gate import spikehound, unix
+from tests.support.cli import spikehound, unix
 
 MS = 1_000_000
 NS = 1_000_000_000

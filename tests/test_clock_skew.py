@@ -13,12 +13,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from detectors.engine import CHECKPOINT_FORMAT, DetectionEngine
 from detectors.settings import DetectionSettings
+from harness.daemons import CollectorThread, collector_config
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 from spikehound.otlp import encode_points, encode_spans
 from storage import checkpoints
 from storage.engine import make_engine
 from storage.migrate import upgrade
-from tests.daemons import CollectorThread, collector_config
 
 NS = 1_000_000_000
 MS = 1_000_000

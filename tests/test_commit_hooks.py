@@ -11,10 +11,10 @@ import pytest
 import requests
 
 from collector.commit_hooks import CommitHooks
+from harness.daemons import CollectorThread
 from storage.writer import WriteBatch
-from tests.daemons import CollectorThread
+from tests.support.otlp_requests import post, request, span
 from tests.support.waiting import eventually
-from tests.test_bad_input import post, request, span
 
 
 def test_a_raising_hook_is_reported_and_the_next_one_still_runs():

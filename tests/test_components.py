@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from harness.daemons import CollectorThread
 from spikehound.components import ComponentStack, Stage
-from tests.daemons import CollectorThread
 
 
 class Recorded:

@@ -23,7 +23,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from tests.daemons import CollectorProcess
+from harness.daemons import CollectorProcess
+from tests.support.waiting import eventually
 
 # CollectorProcess.start leaves its log file to the garbage collector; the fixture collects it under this filter.
 pytestmark = pytest.mark.slow
@@ -87,10 +88,7 @@ class SdkTraffic:
         return self
 
     def wait_acked(self, count: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.recorder.acked) < count:
-            assert time.monotonic() < deadline, f"only {len(self.recorder.acked)} spans acknowledged in {timeout} s"
-            time.sleep(0.05)
+        eventually(lambda: len(self.recorder.acked) >= count, f"{count} spans acknowledged", timeout, every=0.05)
 
     def stop(self) -> None:
         self._stop.set()

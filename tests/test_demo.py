@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemons import free_port
+from harness.daemons import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README_API = "localhost:8470"

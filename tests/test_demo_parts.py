@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import requests
 
+from harness.daemons import free_port
 from spikehound.demo.alerts import WebhookReceiver, describe
 from spikehound.demo.load import OpenLoopLoad
-from tests.daemons import free_port
 
 ALERT = {  # Alertmanager's webhook payload, version 4, plus the spikehound section
     "version": "4", "groupKey": "{}:{service=\"gateway\"}", "status": "firing", "receiver": "demo",

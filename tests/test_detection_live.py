@@ -1,6 +1,6 @@
 """Detection inside a running collector: live ingest against replay, and a restart in the middle of a spike.
 
-Traffic is the scenario generator's (benchmarks/traffic.py), sent as real OTLP/HTTP requests to a real
+Traffic is the scenario generator's (spikehound/scenarios/traffic.py), sent as real OTLP/HTTP requests to a real
 collector; the replay reads the same requests from a recorded file through ``spikehound replay``.
 """
 
@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks.traffic import Scenario
-from tests.daemons import CollectorProcess, CollectorThread, collector_config
-from tests.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+from harness.daemons import CollectorProcess, CollectorThread, collector_config
+from harness.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+from spikehound.scenarios.traffic import Scenario
+from tests.support.api_client import get_json
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -31,23 +33,22 @@ def _scenario() -> Scenario:
 
 
 def _spikes(api: str) -> list[dict[str, Any]]:
-    response = requests.get(f"{api}/api/v1/spikes", timeout=10)
-    response.raise_for_status()
-    return response.json()["spikes"]
+    return get_json(f"{api}/api/v1/spikes")["spikes"]
 
 
 def _settled(api: str, metric: Any, timeout: float = 60) -> list[dict[str, Any]]:
     """The spikes once the collector has closed every window (the windows counter stopped moving)."""
-    deadline = time.monotonic() + timeout
-    last, stable_since = -1.0, time.monotonic()
-    while time.monotonic() < deadline:
+    seen = {"closed": -1.0, "since": time.monotonic()}
+
+    def settled() -> bool:
         closed = metric()
-        if closed != last:
-            last, stable_since = closed, time.monotonic()
-        elif time.monotonic() - stable_since > 3 and closed > 0:
-            return _spikes(api)
-        time.sleep(0.25)
-    raise AssertionError("the collector kept closing windows")
+        if closed != seen["closed"]:
+            seen.update(closed=closed, since=time.monotonic())
+            return False
+        return closed > 0 and time.monotonic() - seen["since"] > 3
+
+    eventually(settled, "the collector to stop closing windows", timeout, every=0.25)
+    return _spikes(api)
 
 
 def _metric(api: str, name: str) -> float:

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from river import base
 
-from benchmarks.traffic import Scenario
 from detectors.engine import DetectionEngine
 from detectors.p99_spike import P99SpikeDetector
 from detectors.resource import ResourceDetector
@@ -18,6 +17,7 @@ from detectors.sequential import TailSurprise
 from detectors.settings import DetectionSettings
 from detectors.streams import StreamKey
 from spikehound.model import Span, SpanKind, StatusCode
+from spikehound.scenarios.traffic import Scenario
 
 NS = 1_000_000_000
 MS = 1_000_000

@@ -24,6 +24,7 @@ from agent.sample import Kind, Sample
 from agent.samplers import cpu as cpu_module
 from agent.samplers.cpu import CpuSampler
 from agent.samplers.network import NetworkSampler, parse_tcp
+from tests.support.waiting import eventually
 
 MB = 1_000_000
 LINUX = sys.platform.startswith("linux")
@@ -140,10 +141,8 @@ def test_failing_query_is_counted_and_the_rest_still_comes_out() -> None:
 
 
 def wait_for_zombie(pid: int) -> None:
-    deadline = time.monotonic() + 5
-    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "killed child never became a zombie"
-        time.sleep(0.01)
+    eventually(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the killed child to become a zombie",
+               5, every=0.01)
 
 
 @pytest.mark.parametrize("found_by", ["pattern", "pid_file", "both"])

@@ -19,20 +19,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-from tests.daemons import CollectorThread
-
-
-def wait_json(url: str, ready, timeout: float = 15, **params) -> dict:
-    deadline = time.monotonic() + timeout
-    body: dict = {}
-    while time.monotonic() < deadline:
-        r = requests.get(url, params=params or None, timeout=5)
-        if r.status_code == 200:
-            body = r.json()
-            if ready(body):
-                return body
-        time.sleep(0.1)
-    raise AssertionError(f"{url} never became ready; last answer: {json.dumps(body)[:500]}")
+from harness.daemons import CollectorThread
+from tests.support.api_client import get_json, wait_json
 
 
 class Recording(SpanExporter):
@@ -100,7 +88,7 @@ def test_grpc_exporter_round_trip(collector: CollectorThread):
     sent = send_inference_traces(GrpcSpanExporter(endpoint=collector.grpc_endpoint, insecure=True), "gateway-grpc")
     assert len(sent) == 15
     assert_trace_matches(collector.api, sent, "gateway-grpc")
-    services = requests.get(f"{collector.api}/api/v1/services", timeout=5).json()["services"]
+    services = get_json(f"{collector.api}/api/v1/services")["services"]
     gateway = next(s for s in services if s["service"] == "gateway-grpc")
     assert gateway["operations"] == ["POST /v1/predict", "forward", "preprocess"]
     assert collector.metric("spikehound_ingest_stored_total", signal="spans") == 15
@@ -128,7 +116,7 @@ def test_http_json_is_accepted_with_hex_ids(collector: CollectorThread):
                       headers={"Content-Type": "application/json"}, timeout=5)
     assert r.status_code == 200, r.text
     assert r.headers["Content-Type"].startswith("application/json")
-    span = requests.get(f"{collector.api}/api/v1/traces/{trace_id}", timeout=5).json()["spans"][0]
+    span = get_json(f"{collector.api}/api/v1/traces/{trace_id}")["spans"][0]
     assert span["span_id"] == span_id and span["parent_span_id"] == parent
     assert (span["kind"], span["status"], span["duration_ns"]) == ("CLIENT", "ERROR", 7_000_000)
     assert span["attributes"] == {"db.system": "sqlite", "rows": 12}
@@ -155,7 +143,7 @@ def test_sdk_metrics_are_host_samples(collector: CollectorThread):
     net = wait_json(f"{collector.api}/api/v1/metrics", lambda b: b["series"], host="gpu-host-7",
                     name="system.network.io")
     assert net["series"][0]["points"][-1]["value"] == 1500
-    hosts = requests.get(f"{collector.api}/api/v1/hosts", timeout=5).json()["hosts"]
+    hosts = get_json(f"{collector.api}/api/v1/hosts")["hosts"]
     assert [h["host"] for h in hosts] == ["gpu-host-7"]
     assert set(hosts[0]["metrics"]) == {"hw.gpu.utilization", "system.network.io"}
 

@@ -14,8 +14,9 @@ import pytest
 import requests
 from opentelemetry import trace
 
-from tests.daemons import CollectorThread, collector_config
-from tests.otel_send import MS, timed_span, tracer_provider
+from harness.daemons import CollectorThread, collector_config
+from tests.support.otel_send import MS, timed_span, tracer_provider
+from tests.support.waiting import eventually
 
 RESPONSE_KEYS = {"data", "total", "limit", "offset", "errors"}
 TRACE_KEYS = {"traceID", "spans", "processes", "warnings"}
@@ -72,14 +73,14 @@ def search(api: str, **params) -> list[dict]:
 
 
 def wait_traces(api: str, n: int, **params) -> list[dict]:
-    deadline = time.monotonic() + 20
-    data: list[dict] = []
-    while time.monotonic() < deadline:
+    """The Jaeger search's traces once ``n`` complete ones (four spans each) are found."""
+
+    def complete() -> list[dict] | None:
         data = search(api, **params)
-        if len(data) >= n and all(len(t["spans"]) == 4 for t in data):
-            return data
-        time.sleep(0.2)
-    raise AssertionError(f"{n} complete traces never found: {json.dumps(data)[:300]}")
+        assert len(data) >= n and all(len(t["spans"]) == 4 for t in data), f"found: {json.dumps(data)[:300]}"
+        return data
+
+    return eventually(complete, f"{n} complete traces", 20, every=0.2)
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("spikehound", "agent", "collector", "detectors", "storage")
 OURS = frozenset(PACKAGES)
+# Not shipped: the tests, the benchmarks, and what both of them run (harness/).
+TOOLING = ("tests", "benchmarks", "harness")
 
 # Standard-library modules that do I/O, talk to the network, run concurrently or read a clock.
 IO_MODULES = frozenset({
@@ -59,7 +61,8 @@ def imports_of(path: Path) -> Iterator[tuple[str, int]]:
             for alias in node.names:
                 candidate = f"{source}.{alias.name}"
                 # `from storage import schema` imports the module storage.schema
-                yield (candidate if source.split(".")[0] in OURS and is_our_module(candidate) else source), node.lineno
+                ours = source.split(".")[0] in OURS or source.split(".")[0] in TOOLING
+                yield (candidate if ours and is_our_module(candidate) else source), node.lineno
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str)
               and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
@@ -153,6 +156,40 @@ def test_the_agent_talks_to_the_collector_over_otlp_only():
         return None
 
     assert violations(("agent",), rule) == []
+
+
+def test_no_test_module_is_imported():
+    """What tests share lives in tests/support/ (or, shared with the benchmarks, in harness/); fixtures reach a
+    test through tests/conftest.py. A test module imported by another runs its module-level code twice and
+    ties the two together."""
+
+    def rule(name: str) -> str | None:
+        parts = name.split(".")
+        if parts[0] == "tests" and len(parts) > 1 and (parts[1].startswith("test_") or parts[1] == "conftest"):
+            return "a test module or conftest.py is no library: move what is shared to tests/support/"
+        return None
+
+    assert violations(TOOLING, rule) == []
+
+
+def test_tests_and_benchmarks_do_not_import_each_other():
+    """Both may use harness/ and the product (its traffic generators are spikehound/scenarios/); harness/
+    uses neither of them."""
+
+    def rule_for(package: str) -> object:
+        def rule(name: str) -> str | None:
+            if top(name) in TOOLING and top(name) != package and top(name) != "harness":
+                return f"{package}/ must not import {top(name)}/ (what both need belongs in harness/)"
+            if package == "harness" and top(name) in ("tests", "benchmarks"):
+                return "harness/ is shared by tests/ and benchmarks/ and imports neither"
+            return None
+
+        return rule
+
+    found = [v for package in TOOLING for v in violations((package,), rule_for(package))]
+    assert found == []
+    # the rule sees the imports it is about
+    assert "harness.daemons" in {name for name, _ in imports_of(ROOT / "tests" / "conftest.py")}
 
 
 # --- doctests ---------------------------------------------------------------------------------

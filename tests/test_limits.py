@@ -31,12 +31,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from sqlalchemy import create_engine, func, select
 
 from detectors.trace_buffer import TraceBuffer
+from harness.daemons import CollectorThread, collector_config
 from spikehound.model import Span, SpanKind, StatusCode
 from storage import schema
 from storage.migrate import upgrade
 from storage.retention import Retention, RetentionPolicy
 from storage.writer import OPERATION_REFRESH_SECONDS, WriteBatch, Writer
-from tests.daemons import CollectorThread, collector_config
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.daemons import CollectorProcess, free_port
-from tests.test_regression_gate import spikehound, unix
+from harness.daemons import CollectorProcess, free_port
+from tests.support.cli import spikehound, unix
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "locust"

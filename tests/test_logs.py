@@ -9,16 +9,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 from sqlalchemy.engine import make_url
 
+from harness.daemons import free_port
 from spikehound import logs
 from spikehound.config import load
-from tests.daemons import free_port
+from tests.support.waiting import eventually
 
 SECRETS = {"SPIKEHOUND_COLLECTOR_API_TOKEN": "api-t0ken-7f3a9c", "SPIKEHOUND_COLLECTOR_OTLP_TOKEN": "otlp-t0ken-c41d2e"}
 DB_PASSWORD = "db-pa55word-91b"
@@ -89,15 +89,12 @@ def test_alert_receiver_secrets_never_reach_the_log(tmp_path, restore_logging, c
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not answer (exit status {proc.poll()})")
+    def healthy() -> bool:
+        # A daemon that exited will not answer: the timeout's cause then says so.
+        assert proc.poll() is None, f"the daemon exited with status {proc.poll()}"
+        return requests.get(url, timeout=1).status_code == 200
+
+    eventually(healthy, f"{url} to answer", timeout)
 
 
 def run_collector(tmp_path: Path, db_url: str, *flags: str, env: dict[str, str] | None = None,

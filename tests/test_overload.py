@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemons import CollectorProcess
+from harness.daemons import CollectorProcess
 
 QUEUE_CAPACITY = 600
 SPANS_PER_REQUEST = 512

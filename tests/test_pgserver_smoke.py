@@ -1,4 +1,4 @@
-"""Smoke test for tests/pgserver.py: a real PostgreSQL server keeps committed rows across a restart."""
+"""Smoke test for harness/pgserver.py: a real PostgreSQL server keeps committed rows across a restart."""
 
 import psycopg
 import pytest
@@ -6,7 +6,7 @@ import pytest
 try:
     from pgserver import PostgresServer, find_pg_bin
 except ImportError:  # tests/ imported as a package
-    from tests.pgserver import PostgresServer, find_pg_bin
+    from harness.pgserver import PostgresServer, find_pg_bin
 
 
 @pytest.mark.postgres

@@ -1,6 +1,6 @@
 """``spikehound analyze pipeline``: where the time goes, for median requests and for p99 requests.
 
-The stack of ``tests.serving_stack`` with preprocessing that is quick (1 ms)
+The stack of ``tests.support.serving_stack`` with preprocessing that is quick (1 ms)
 except for 3 % of requests, where image decode and resize take 40 ms more; the
 forward pass takes 8 ms. The median request spends most of its time in the
 model; the p99 request spends most of it in preprocessing.
@@ -13,9 +13,9 @@ import requests
 
 from detectors.breakdown import pipeline_breakdown
 from detectors.path_time import Stage
-from tests.daemons import CollectorThread
-from tests.serving_stack import Latency, VersionedStack, drive
-from tests.test_regression_gate import spikehound, unix
+from harness.daemons import CollectorThread
+from tests.support.cli import spikehound, unix
+from tests.support.serving_stack import Latency, VersionedStack, drive
 
 TAIL_HEAVY = Latency(preprocess_ms=1.0, forward_ms=8.0, stall_fraction=0.0, slow_fraction=0.03, slow_extra_ms=40.0)
 

@@ -14,8 +14,9 @@ import pytest
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from tests.daemons import CollectorThread, collector_config
-from tests.test_bad_input import assert_still_serving, post, request, span
+from harness.daemons import CollectorThread, collector_config
+from tests.support.otlp_requests import assert_still_serving, post, request, span
+from tests.support.waiting import eventually
 
 MS = 1_000_000
 
@@ -30,13 +31,12 @@ def quick_collector(tmp_path: Path) -> Iterator[CollectorThread]:
 
 def wait_for_windows(c: CollectorThread, more_than: float, timeout: float = 20) -> float:
     """The closed-window count once it passes ``more_than``: the writer thread got through the detectors."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        closed = c.metric("spikehound_latency_windows_closed_total")
-        if closed > more_than:
-            return closed
-        time.sleep(0.1)
-    raise AssertionError(f"no window closed within {timeout} s: the detectors are stuck")
+    def closed() -> tuple[float] | None:
+        count = c.metric("spikehound_latency_windows_closed_total")
+        return (count,) if count > more_than else None  # in a tuple, so that a count of 0 counts as found
+
+    (count,) = eventually(closed, "a window to close (else the detectors are stuck)", timeout)
+    return count
 
 
 def generic_entry_with_a_cycle(trace_id: bytes) -> list[dict]:

@@ -31,12 +31,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from collector.span_metrics import DURATION_BUCKETS_MS
 from detectors.windows import nearest_rank
+from harness.daemons import AgentProcess, CollectorThread, collector_config
 from spikehound.model import Cause, CauseKind, Spike
 from storage.engine import make_engine
 from storage.writer import WriteBatch, Writer
-from tests.daemons import AgentProcess, CollectorThread, collector_config
-from tests.otel_send import MS, sample_provider, timed_span, tracer_provider
-from tests.prometheus import REPO, RULES, PrometheusServer, tool
+from tests.support.otel_send import MS, sample_provider, timed_span, tracer_provider
+from tests.support.prometheus import REPO, RULES, PrometheusServer, tool
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "spikehound.json"

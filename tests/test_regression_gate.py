@@ -1,6 +1,6 @@
 """``spikehound compare`` end to end: OpenTelemetry SDK services -> a real collector -> REST API -> exit code.
 
-The services are ``tests.serving_stack``: real SDK tracers and OTLP/gRPC
+The services are ``tests.support.serving_stack``: real SDK tracers and OTLP/gRPC
 exporters, with latencies from a seeded model (see its docstring for why not
 ``time.sleep``). Version B adds 15 ms to preprocessing for 5 % of requests, so
 its p99 grows while its median does not.
@@ -9,10 +9,7 @@ its p99 grows while its median does not.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,22 +17,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.daemons import CollectorProcess, CollectorThread
-from tests.serving_stack import Latency, VersionedStack, drive
+from harness.daemons import CollectorProcess, CollectorThread
+from tests.support.api_client import ApiClient
+from tests.support.cli import NS, spikehound, unix
+from tests.support.serving_stack import Latency, VersionedStack, drive
 
 SLOWER = Latency().slower_preprocessing(fraction=0.05, extra_ms=15.0)
-NS = 1_000_000_000
 
 
-def spikehound(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("spikehound", path=str(Path(sys.executable).parent)) or "spikehound"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPIKEHOUND_")}
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def unix(ns: int) -> str:
-    """Unix seconds with every nanosecond (a float would round them)."""
-    return f"{ns // NS}.{ns % NS:09d}"
 
 
 def window(since: int, until: int) -> list[str]:
@@ -158,37 +149,13 @@ def test_compare_by_time_window_on_each_database(collector: CollectorThread):
     assert gateway["grew"]["label"] == "preprocess: preprocess"
 
 
-def required_missing(value: object, schema: dict, schemas: dict, path: str = "$") -> list[str]:
-    """Keys the OpenAPI schema requires that ``value`` lacks, and wrong JSON types, anywhere inside it."""
-    if "$ref" in schema:
-        schema = schemas[schema["$ref"].rsplit("/", 1)[1]]
-    kinds = schema.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else kinds or []
-    python = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float), "boolean": bool,
-              "null": type(None)}
-    if kinds and not any(isinstance(value, python[k]) for k in kinds):
-        return [f"{path} is {type(value).__name__}, not {kinds}"]
-    found = []
-    if isinstance(value, dict):
-        found += [f"{path}.{key} is missing" for key in schema.get("required", []) if key not in value]
-        for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                found += required_missing(value[key], sub, schemas, f"{path}.{key}")
-    elif isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            found += required_missing(item, schema["items"], schemas, f"{path}[{i}]")
-    return found
-
-
 def test_answers_match_the_openapi_document(gate: CollectorProcess):
     since, until = versions_a_and_slower_b(gate, "doc-a", "doc-b", 150, seed=30)
-    doc = requests.get(f"{gate.api}/api/v1/openapi.json", timeout=10).json()
-    schemas = doc["components"]["schemas"]
+    api = ApiClient(gate.api, timeout=60)  # holds each answer to the operation's schema in the served document
     window_params = {"since": unix(since), "until": unix(until)}
-    for path, params, schema in (
-            ("/api/v1/compare", {"baseline": "doc-a", "candidate": "doc-b"}, "Comparison"),
-            ("/api/v1/profile", {"select": "doc-a"}, "Profile"),
-            ("/api/v1/analyze/pipeline", {"service": "gateway", "select": "doc-b"}, "Pipeline"),
-            ("/api/v1/analyze/batching", {"service": "model-server", "p99_target": "50"}, "Batching")):
-        body = requests.get(f"{gate.api}{path}", params={**params, **window_params}, timeout=60).json()
-        assert required_missing(body, {"$ref": f"#/components/schemas/{schema}"}, schemas) == [], path
+    for path, params in (
+            ("/api/v1/compare", {"baseline": "doc-a", "candidate": "doc-b"}),
+            ("/api/v1/profile", {"select": "doc-a"}),
+            ("/api/v1/analyze/pipeline", {"service": "gateway", "select": "doc-b"}),
+            ("/api/v1/analyze/batching", {"service": "model-server", "p99_target": "50"})):
+        api.get_json(path, **params, **window_params)

@@ -14,15 +14,13 @@ from storage.reader import Reader, count_rows
 from storage.retention import Retention, RetentionPolicy, RetentionResult, StoredSize
 from storage.schema import metric_points, span_blocks
 from storage.writer import WriteBatch, Writer
-from tests import test_storage
-from tests.test_storage import FOREVER, NOW, SPIKES, T0, S, make_span, point, tid, window
+from tests.support.storage_data import FOREVER, NOW, SPIKES, T0, S, make_span, point, tid, window
 
 NOW_S = NOW // S
 DAY_S = 86_400
 NO_AGE = dict(span_max_age_s=365 * DAY_S, point_max_age_s=365 * DAY_S)  # only the size caps bite
 
-
-engine = test_storage.engine  # the fixture: a migrated database, SQLite then PostgreSQL
+# engine (tests/conftest.py): a migrated database, SQLite then PostgreSQL
 
 
 def recount(engine: Engine) -> StoredSize:

@@ -30,19 +30,19 @@ from pathlib import Path
 import pytest
 
 from agent.spool import DiskSpool
+from harness.daemons import free_port
 from storage import checkpoints
 from storage.engine import make_engine
 from storage.reader import Reader, count_rows
-from tests.daemons import free_port
-from tests.test_agent import wait_until
-from tests.test_systemd_service import (
+from tests.support.systemd_notify import (
     NotifiedAgent,
     NotifiedCollector,
     NotifySocket,
     send_traces,
     stop_as_systemd_does,
 )
-from tests.test_systemd_units import service_section
+from tests.support.systemd_units import service_section
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_the_agent_runs_in_its_units_sandbox(tmp_path, dirs):
     try:
         agent.start()
         in_the_sandbox(agent.proc.pid)
-        wait_until(lambda: agent.metric("spikehound_agent_sampler_runs_total", sampler="cpu") >= 2, 30, "samples")
+        eventually(lambda: agent.metric("spikehound_agent_sampler_runs_total", sampler="cpu") >= 2, "samples", 30)
         assert agent.metric("spikehound_agent_sampler_errors_total") == 0
         # /proc is all there for the samplers: /proc/stat, /proc/meminfo, /proc/net/dev, /proc/net/snmp
         assert not re.search(r"WARNING agent\.samplers\.(cpu|network)", agent.log_text()), agent.log_tail()

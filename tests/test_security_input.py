@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.daemons import CollectorThread, collector_config
+from harness.daemons import CollectorThread, collector_config
 
 OLDEST = "1677-09-21T00:12:44Z"  # a second after the first time a signed 64-bit nanosecond count holds
 

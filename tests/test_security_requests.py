@@ -11,8 +11,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.daemons import CollectorThread, collector_config
 from spikehound.config import ConfigError, load
-from tests.daemons import CollectorThread, collector_config
 
 SILENCE_EVERYTHING = b'{"matchers": {"service": "*"}, "duration_seconds": 315360000}'  # ten years of quiet
 EVIL = "http://evil.example"

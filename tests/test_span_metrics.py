@@ -16,11 +16,12 @@ from opentelemetry import trace
 from prometheus_client.parser import text_string_to_metric_families
 
 from collector.span_metrics import SpanMetrics
+from harness.daemons import CollectorThread, collector_config
 from spikehound.model import Cause, CauseKind, Spike
 from storage.engine import make_engine
 from storage.writer import WriteBatch, Writer
-from tests.daemons import CollectorThread, collector_config
-from tests.otel_send import MS, sample_provider, send_durations, timed_span, tracer_provider
+from tests.support.otel_send import MS, sample_provider, send_durations, timed_span, tracer_provider
+from tests.support.waiting import eventually
 
 CONNECTOR_LES = ["2", "4", "6", "8", "10", "50", "100", "200", "400", "800", "1000", "1400", "2000", "5000",
                  "10000", "15000", "+Inf"]
@@ -39,15 +40,13 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 
 
 def wait_metric(api: str, name: str, expected: float, timeout: float = 20, **labels: str) -> Samples:
-    deadline = time.monotonic() + timeout
-    seen = None
-    while time.monotonic() < deadline:
+    def reached() -> Samples:
         _, samples = scrape(api)
         seen = value(samples, name, **labels)
-        if seen == expected:
-            return samples
-        time.sleep(0.1)
-    raise AssertionError(f"{name}{labels} is {seen}, expected {expected}")
+        assert seen == expected, f"{name}{labels} is {seen}, expected {expected}"  # chained to the timeout
+        return samples
+
+    return eventually(reached, f"{name}{labels} to be {expected}", timeout)
 
 
 def test_spans_become_the_spanmetrics_connector_series(sqlite_collector):

@@ -14,18 +14,13 @@ import pytest
 
 from agent.forward_queue import ForwardQueue
 from agent.spool import HEADER_BYTES, MAGIC, DiskSpool, Item, Signal
+from tests.support.spool_items import item, number
 
 RECORD = 100 + HEADER_BYTES  # the spool's size of item(n): header and a 100-byte payload
 
 
-def item(n: int, size: int = 100, signal: Signal = Signal.TRACES) -> Item:
-    """Item number ``n``: its payload starts with the number, so the order can be read back."""
-    tag = f"item-{n:06d}|".encode()
-    return Item(signal, tag + bytes([n % 251]) * (size - len(tag)), n + 1)
 
 
-def number(it: Item) -> int:
-    return int(it.payload.split(b"|", 1)[0].removeprefix(b"item-"))
 
 
 def drain(source: DiskSpool | ForwardQueue) -> list[int]:
@@ -271,7 +266,7 @@ DISK_FULL = r"""
 import json, logging, resource, sys
 from pathlib import Path
 from agent.spool import DiskSpool, SpoolWriteError
-from tests.test_spool import item, number
+from tests.support.spool_items import item, number
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 directory, limit = Path(sys.argv[1]), int(sys.argv[2])

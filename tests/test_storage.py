@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,17 +12,11 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
-from sqlalchemy import Engine, event, select
+from sqlalchemy import Engine, select
 
 from spikehound.model import (
-    Cause,
-    CauseKind,
-    LatencyWindow,
-    MetricKind,
-    MetricPoint,
     Span,
     SpanKind,
-    Spike,
     StatusCode,
 )
 from spikehound.otlp import count_items, decode_spans, encode_span, encode_spans, set_any_value
@@ -37,31 +29,10 @@ from storage.retention import RetentionResult, expire
 from storage.schema import metadata, span_blocks
 from storage.trace_search import TraceQuery
 from storage.writer import SpanBlock, WriteBatch, Writer
+from tests.support.query_plans import FULL_SCAN
+from tests.support.storage_data import FOREVER, MS, NOW, SPIKES, T0, S, causes, make_span, point, sid, tid, window
 
-MS = 1_000_000
-S = 1_000_000_000
 DAY_S = 86_400
-T0 = 1_700_000_000 * S  # event time of the test data
-NOW = 1_750_000_000 * S  # arrival (wall clock) of the test data
-FOREVER = 2**62
-
-
-def tid(n: int) -> bytes:
-    return n.to_bytes(16, "big")
-
-
-def sid(n: int) -> bytes:
-    return n.to_bytes(8, "big")
-
-
-def make_span(trace: int, span: int, parent: int | None = None, *, service: str = "gateway", host: str | None = "gpu-1",
-              name: str = "POST /predict", kind: SpanKind = SpanKind.SERVER, start: int = T0, duration: int = 5 * MS,
-              status: StatusCode = StatusCode.UNSET, attributes: dict[str, Any] | None = None,
-              events: list[dict[str, Any]] | None = None, resource: dict[str, Any] | None = None) -> Span:
-    return Span(trace_id=tid(trace), span_id=sid(span), parent_span_id=sid(parent) if parent else None,
-                service=service, host=host, name=name, kind=kind, start_unix_nano=start,
-                end_unix_nano=start + duration, status=status, attributes=attributes or {}, events=events or [],
-                resource=resource or {})
 
 
 def view(s: Span) -> tuple[Any, ...]:
@@ -70,32 +41,11 @@ def view(s: Span) -> tuple[Any, ...]:
             s.end_unix_nano, s.duration_ns, s.status, s.attributes, s.events, s.resource)
 
 
-def point(t: int, value: float, *, host: str = "gpu-1", name: str = "hw.gpu.utilization",
-          attributes: dict[str, Any] | None = None, unit: str = "1") -> MetricPoint:
-    return MetricPoint(host=host, name=name, attributes=attributes if attributes is not None else {"hw.id": "GPU-0"},
-                       time_unix_nano=t, value=value, kind=MetricKind.GAUGE, unit=unit)
-
-
-def window(start: int, p99_ms: float, *, service: str = "gateway", operation: str = "POST /predict",
-           count: int = 100) -> LatencyWindow:
-    p99 = int(p99_ms * MS)
-    return LatencyWindow(service=service, operation=operation, start_unix_nano=start, end_unix_nano=start + 10 * S,
-                         count=count, p50_ns=p99 // 4, p95_ns=p99 // 2, p99_ns=p99, max_ns=p99 + MS)
-
-
 def stored_blocks(engine: Engine) -> list[tuple[int, bytes]]:
     """(span_count, payload) of every stored span block, oldest first."""
     with engine.connect() as conn:
         return [(n, bytes(payload)) for n, payload in conn.execute(
             select(span_blocks.c.span_count, span_blocks.c.payload).order_by(span_blocks.c.id))]
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    upgrade(eng)
-    yield eng
-    eng.dispose()
 
 
 # --- migrations -------------------------------------------------------------------------------
@@ -436,29 +386,6 @@ def test_latency_windows_round_trip_filter_and_upsert(engine):
 # --- spikes -----------------------------------------------------------------------------------
 
 
-def _causes(n: int) -> tuple[Cause, ...]:
-    kinds = [CauseKind.SPAN, CauseKind.NETWORK, CauseKind.RESOURCE, CauseKind.SERVICE]
-    return tuple(Cause(kind=kinds[i % 4], score=round(0.9 / (i + 1), 6), summary=f"cause number {i}",
-                       service="model" if i % 4 != 2 else None, operation=f"op-{i}",
-                       peer_service="gateway" if i % 4 == 1 else None, host="gpu-1" if i % 4 == 2 else None,
-                       resource="hw.gpu.utilization" if i % 4 == 2 else None,
-                       baseline=10.0 + i if i % 3 else None, observed=100.5 + i if i % 3 else None,
-                       unit="ms" if i % 4 != 2 else "1")
-                 for i in range(n))
-
-
-SPIKES = (
-    Spike(id="a1", service="gateway", operation="POST /predict", state="resolved", start_unix_nano=T0,
-          end_unix_nano=T0 + 60 * S, p99_ns=900 * MS, baseline_p99_ns=100 * MS, causes=_causes(12),
-          exemplar_trace_ids=(tid(1), tid(2))),
-    Spike(id="b2", service="preprocess", operation="tokenize", state="open", start_unix_nano=T0 + 60 * S,
-          end_unix_nano=None, p99_ns=50 * MS, baseline_p99_ns=5 * MS, causes=_causes(1),
-          exemplar_trace_ids=(tid(3),)),
-    Spike(id="c3", service="gateway", operation="POST /predict", state="open", start_unix_nano=T0 + 120 * S,
-          end_unix_nano=None, p99_ns=700 * MS, baseline_p99_ns=100 * MS, causes=()),
-)
-
-
 def test_spikes_round_trip_newest_first_with_causes_in_rank_order(engine):
     Writer(engine).write(WriteBatch(spikes=SPIKES), now_ns=NOW)
     reader = Reader(engine)
@@ -494,8 +421,8 @@ def test_a_spike_written_again_is_updated_and_its_causes_replaced(engine):
     writer, reader = Writer(engine), Reader(engine)
     writer.write(WriteBatch(spikes=SPIKES), now_ns=NOW)
     resolved = dataclasses.replace(SPIKES[2], state="resolved", end_unix_nano=T0 + 180 * S, p99_ns=800 * MS,
-                                   causes=_causes(3)[1:], exemplar_trace_ids=(tid(9),))
-    fewer = dataclasses.replace(SPIKES[0], causes=_causes(2))
+                                   causes=causes(3)[1:], exemplar_trace_ids=(tid(9),))
+    fewer = dataclasses.replace(SPIKES[0], causes=causes(2))
     writer.write(WriteBatch(spikes=[resolved, fewer]), now_ns=NOW + S)
 
     assert reader.spike("c3") == resolved
@@ -624,36 +551,6 @@ def test_retention_deletes_in_batches_and_bounds_its_work(engine, monkeypatch):
 
 # --- every API query is served by an index (SQLite's plans) -----------------------------------
 
-# Tables that grow with traffic or time. A full scan of one of them is a bug.
-BIG_TABLES = ("span_blocks", "trace_blocks", "span_block_services", "metric_points", "latency_windows", "spikes",
-              "causes")
-# operations, metric_series and hosts grow with cardinality (services x operations, hosts x metrics), not with
-# traffic, and the API lists them whole (/services, /hosts): reading them in index order is what it should do.
-
-
-@pytest.fixture(scope="module")
-def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Reader, list[tuple[str, Any]]]]:
-    eng = make_engine(f"sqlite:///{Path(tmp_path_factory.mktemp('plans')) / 'plans.db'}")
-    upgrade(eng)
-    writer = Writer(eng)
-    for s in (1, 2, 3):  # every trace spread over three requests
-        writer.write(WriteBatch(spans=[make_span(t, s, s - 1 if s > 1 else None, name=f"op-{s}")
-                                       for t in range(1, 30)]), now_ns=NOW)
-    writer.write(WriteBatch(
-        points=[point(T0 + i * S, float(i), host=f"gpu-{i % 3}", attributes={"hw.id": f"GPU-{i % 2}"})
-                for i in range(60)],
-        windows=[window(T0 + i * 10 * S, 10, operation=f"op-{i % 3}") for i in range(60)],
-        spikes=SPIKES), now_ns=NOW)
-    statements: list[tuple[str, Any]] = []
-
-    @event.listens_for(eng, "before_cursor_execute")
-    def _capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
-        statements.append((statement, parameters))
-
-    yield Reader(eng), statements
-    eng.dispose()
-
-
 QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
     # name: (the API's call, fragments the plan must contain)
     # The trace index's primary key finds the blocks, each read by its own primary key.
@@ -692,7 +589,7 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
     "span blocks of a time range": (lambda r: list(r.span_payloads(T0, T0 + 3600 * S)),
                                     ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>? AND end_ns<?)"]),
 }
-FULL_SCAN = re.compile(rf"\bSCAN ({'|'.join(BIG_TABLES)})\b(?! USING (COVERING )?INDEX)")
+
 
 
 @pytest.mark.parametrize("query", list(QUERIES))

@@ -8,14 +8,10 @@ the data on disk afterwards, the log, and that senders lose nothing across reloa
 
 from __future__ import annotations
 
-import configparser
 import signal
-import socket
 import sqlite3
-import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -28,98 +24,33 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.spool import DiskSpool
 from detectors.engine import DetectionEngine
 from detectors.settings import DetectionSettings
+from harness.daemons import CollectorProcess, CollectorThread, collector_config, free_port
 from storage import checkpoints
 from storage.engine import make_engine
 from storage.reader import Reader
-from tests.daemons import AgentProcess, CollectorProcess, CollectorThread, _accepts, collector_config, free_port
-from tests.test_agent import SdkApp, send_spans, wait_until
+from tests.support.sdk_traffic import SdkApp, send_spans
+from tests.support.systemd_notify import (
+    Notified,
+    NotifiedAgent,
+    NotifiedCollector,
+    NotifySocket,
+    send_traces,
+    stop_as_systemd_does,
+)
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
-UNITS = Path(__file__).resolve().parents[1] / "systemd"
-WATCHDOG_USEC = 400_000  # pings every 0.2 s
 
 
-def unit_seconds(unit: str, key: str) -> float:
-    parser = configparser.ConfigParser(strict=False, interpolation=None)
-    parser.read(UNITS / unit)
-    return float(parser["Service"][key])
 
 
-class NotifySocket:
-    """A unix datagram socket standing in for systemd's notification socket; reads parsed messages in order."""
-
-    def __init__(self, directory: Path | None = None) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        if directory is None:  # Linux's abstract namespace, which systemd itself uses
-            name = f"spikehound-test-{uuid.uuid4().hex}"
-            self.sock.bind("\0" + name)
-            self.address = "@" + name
-        else:
-            self.sock.bind(str(directory / "notify"))
-            self.address = str(directory / "notify")
-        self.messages: list[dict[str, str]] = []
-
-    def receive(self, timeout: float) -> dict[str, str] | None:
-        """The next message, or None if none came within ``timeout`` seconds."""
-        self.sock.settimeout(timeout)
-        try:
-            data = self.sock.recv(4096)
-        except TimeoutError:
-            return None
-        message = dict(line.split("=", 1) for line in data.decode().splitlines())
-        self.messages.append(message)
-        return message
-
-    def wait_for(self, key: str, value: str, timeout: float = 30) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            message = self.receive(left)
-            if message is not None and message.get(key) == value:
-                return message
-        raise AssertionError(f"no {key}={value} within {timeout} s; received {self.messages}")
-
-    def close(self) -> None:
-        self.sock.close()
 
 
-class Notified:
-    """Mixin for a daemon process whose readiness is systemd's READY=1, with a look at its ports the moment
-    READY=1 arrives (the test blocks on the socket, so there is no polling delay in between)."""
-
-    notify: NotifySocket
-    ports_at_ready: dict[int, bool] | None = None
-    proc: subprocess.Popen[bytes] | None
-
-    def ports(self) -> list[int]:
-        raise NotImplementedError
-
-    def ready(self) -> bool:
-        message = self.notify.receive(0.1)
-        if message is None or message.get("READY") != "1":
-            return False
-        self.ports_at_ready = {port: _accepts(port) for port in self.ports()}
-        return True
 
 
-class NotifiedCollector(Notified, CollectorProcess):
-    def __init__(self, db_url: str, workdir: Path, notify: NotifySocket, **env: str) -> None:
-        super().__init__(db_url, workdir, {"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": str(WATCHDOG_USEC),
-                                           **env})
-        self.notify = notify
-
-    def ports(self) -> list[int]:
-        return [self.api_port, self.grpc_port, self.http_port]
 
 
-class NotifiedAgent(Notified, AgentProcess):
-    def __init__(self, collector: str, workdir: Path, notify: NotifySocket, **env: str) -> None:
-        super().__init__(collector, workdir, env={"NOTIFY_SOCKET": notify.address,
-                                                  "WATCHDOG_USEC": str(WATCHDOG_USEC), **env})
-        self.notify = notify
-
-    def ports(self) -> list[int]:
-        return [self.grpc_port, self.http_port, self.metrics_port]
 
 
 @pytest.fixture
@@ -136,21 +67,8 @@ def short_dir() -> Iterator[Path]:
         yield Path(name)
 
 
-def send_traces(endpoint: str, n: int = 10, **resource: str) -> None:
-    """``n`` traces of three spans through the OpenTelemetry SDK; every span acknowledged."""
-    recording = send_spans(GrpcSpanExporter(endpoint=endpoint, insecure=True),
-                           {"service.name": "llm-gateway", **resource}, n=n)
-    assert len(recording.acked) == 3 * n
 
 
-def stop_as_systemd_does(daemon: Notified, unit: str) -> dict[str, str]:
-    """SIGTERM; STOPPING=1 must follow, and exit status 0 within the unit's TimeoutStopSec."""
-    assert daemon.proc is not None
-    daemon.proc.send_signal(signal.SIGTERM)
-    stopping = daemon.notify.wait_for("STOPPING", "1")
-    assert daemon.proc.wait(unit_seconds(unit, "TimeoutStopSec")) == 0
-    assert "draining" in stopping["STATUS"]
-    return stopping
 
 
 def assert_systemd_saw_a_proper_start(daemon: Notified, notify: NotifySocket) -> None:
@@ -212,7 +130,7 @@ def test_without_notify_socket_the_daemon_runs_as_before(tmp_path):
     collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path).start()
     try:
         collector.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: "configuration reloaded" in collector.log_text(), 30, "the reload logged")
+        eventually(lambda: "configuration reloaded" in collector.log_text(), "the reload logged", 30)
         assert collector.ready()
         assert collector.terminate(60) == 0
     finally:
@@ -246,7 +164,7 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
                 agent.proc.send_signal(signal.SIGHUP)
                 notify.wait_for("RELOADING", "1")
                 assert notify.wait_for("READY", "1")["STATUS"].endswith("configuration reloaded")
-                wait_until(lambda: "sampled" in agent.log_text(), 30, "debug lines after the reload")
+                eventually(lambda: "sampled" in agent.log_text(), "debug lines after the reload", 30)
                 log = agent.log_text()
                 assert "now in effect: log.level" in log
                 assert "agent.host_name changed in the configuration; it takes effect at the next restart" in log
@@ -267,7 +185,7 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
         reader = Reader(collector.collector.engine)
         traces = {bytes.fromhex(t) for t, _ in acked}
         stored = lambda: {(s.trace_id.hex(), s.span_id.hex()) for t in traces for s in reader.trace(t)}  # noqa: E731
-        wait_until(lambda: stored() >= acked, 30, "every acknowledged span stored")  # ... and lost nothing
+        eventually(lambda: stored() >= acked, "every acknowledged span stored", 30)  # ... and lost nothing
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -297,7 +215,7 @@ def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_takin
         notify.wait_for("RELOADING", "1")
         notify.wait_for("READY", "1")
         deleted = ("spikehound_retention_deleted_total", (("reason", "size"), ("table", "spans")))
-        wait_until(lambda: scrape(collector.api).get(deleted) == 18, 30, "six blocks of three spans deleted")
+        eventually(lambda: scrape(collector.api).get(deleted) == 18, "six blocks of three spans deleted", 30)
         kept = [requests.get(f"{collector.api}/api/v1/traces/{t}", timeout=5).status_code == 200 for t in traces]
         assert kept == [False] * 6 + [True] * 4  # oldest arrivals first
         assert scrape(collector.api)[("spikehound_storage_span_payload_bytes", ())] == cap

@@ -20,7 +20,8 @@ import pytest
 
 from spikehound.config import SECTIONS, Config
 from spikehound.live_config import flat_items
-from tests.conftest import IN_CI
+from tests.support.ci import IN_CI
+from tests.support.systemd_units import service_section
 
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = ROOT / "systemd"
@@ -49,18 +50,6 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([systemd_analyze(), *args], capture_output=True, text=True, timeout=120)
 
 
-def service_section(unit: str) -> dict[str, list[str]]:
-    """The [Service] section with every value of repeated keys."""
-    values: dict[str, list[str]] = {}
-    section = ""
-    for line in (UNITS / unit).read_text().splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            section = line
-        elif section == "[Service]" and "=" in line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values.setdefault(key, []).append(value)
-    return values
 
 
 @pytest.mark.parametrize("unit", sorted(MAX_EXPOSURE))

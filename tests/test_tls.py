@@ -27,9 +27,10 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
 from collector.daemon import Collector
+from harness.daemons import AgentProcess, CollectorThread, collector_config
 from spikehound.config import Config, ConfigError, load
-from tests.daemons import AgentProcess, CollectorThread, collector_config
-from tests.test_agent import send_spans, trace_request, wait_until
+from tests.support.sdk_traffic import send_spans, trace_request
+from tests.support.waiting import eventually
 
 TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 SPIKEHOUND = str(Path(sys.executable).parent / "spikehound")
@@ -283,15 +284,15 @@ def test_the_agent_forwards_over_mtls_once_it_has_its_client_certificate(pki, mt
         sent = send_spans(GrpcSpanExporter(endpoint=agent.grpc_endpoint, insecure=True),
                           {"service.name": "behind-the-agent"}, n=3)
         assert len(sent.acked) == 9  # the agent took them
-        wait_until(lambda: agent.metric("spikehound_agent_forward_failures_total", reason="unavailable") >= 2, 30,
-                   "refused handshakes counted as failures")
+        eventually(lambda: agent.metric("spikehound_agent_forward_failures_total", reason="unavailable") >= 2,
+                   "refused handshakes counted as failures", 30)
         assert agent.running and stored_spans(mtls) == before
         assert agent.terminate() == 0
 
         agent.env.update({"SPIKEHOUND_AGENT_COLLECTOR_CERT_FILE": str(pki.client_cert),
                           "SPIKEHOUND_AGENT_COLLECTOR_KEY_FILE": str(pki.client_key)})
         agent.start()
-        wait_until(lambda: stored_spans(mtls) >= before + 9, 30, "the spooled spans forwarded over mTLS")
+        eventually(lambda: stored_spans(mtls) >= before + 9, "the spooled spans forwarded over mTLS", 30)
         assert agent.terminate() == 0
     finally:
         agent.kill()

@@ -7,10 +7,9 @@ from spikehound.model import SpanKind
 from storage.reader import Reader
 from storage.trace_search import TraceQuery
 from storage.writer import WriteBatch, Writer
-from tests import test_storage
-from tests.test_storage import MS, NOW, T0, make_span, tid
+from tests.support.storage_data import MS, NOW, T0, make_span, tid
 
-engine = test_storage.engine  # the fixture: a migrated database of each kind
+# engine (tests/conftest.py): a migrated database of each kind
 
 S = 1_000_000_000
 HOUR = 3600 * S

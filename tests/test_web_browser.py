@@ -1,6 +1,6 @@
 """The web pages in a real browser: Debian's Chromium driven by Playwright, against a real collector.
 
-The data are real spikes from injected faults (``tests/web_scenarios.py``). The
+The data are real spikes from injected faults (``tests/support/web_scenarios.py``). The
 spike page's screenshot is kept as a test artifact in ``build/test-artifacts/``
 (or ``$SPIKEHOUND_TEST_ARTIFACTS``). ``make test`` installs Chromium when it is
 missing (``tests/apt-install.sh``); without it these tests skip and say why.
@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.daemons import CollectorThread
-from tests.web_scenarios import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
+from harness.chromium import CHROMIUM, CHROMIUM_ARGS
+from harness.daemons import CollectorThread
+from tests.support.web_scenarios import (
     EVIL_ATTRIBUTE,
     EVIL_SERVICE,
     EVIL_SPAN,

@@ -1,6 +1,6 @@
 """The web pages over HTTP: what they show, what they refuse, how the token works, and that they escape.
 
-A real collector serves pages from real spikes (``tests/web_scenarios.py``); the
+A real collector serves pages from real spikes (``tests/support/web_scenarios.py``); the
 browser tests (``test_web_browser.py``) drive the same pages in Chromium.
 """
 
@@ -20,17 +20,18 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks.traffic import NS
-from benchmarks.web_page import long_trace
 from collector.web import session
 from collector.web.routes import STATIC
 from collector.web.waterfall import layout
+from harness.daemons import CollectorThread, collector_config
+from harness.scenario_io import scenario_requests, send
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
-from tests.daemons import CollectorThread, collector_config
-from tests.scenario_io import scenario_requests, send
-from tests.test_storage import FULL_SCAN, T0, planned  # noqa: F401 - planned is a fixture
-from tests.web_scenarios import (
+from spikehound.scenarios.long_trace import long_trace
+from spikehound.scenarios.traffic import NS
+from tests.support.query_plans import FULL_SCAN
+from tests.support.storage_data import T0
+from tests.support.web_scenarios import (
     EVIL_ATTRIBUTE,
     EVIL_SERVICE,
     EVIL_SPAN,
@@ -263,7 +264,7 @@ def test_the_login_form_sets_the_session_and_goes_back_where_it_came_from(guarde
 # --- the pages' queries use indexes (SQLite's plans) -----------------------------------------
 
 
-def test_the_pages_queries_are_served_by_indexes(planned):  # noqa: F811 - the fixture imported above
+def test_the_pages_queries_are_served_by_indexes(planned):  # planned: tests/conftest.py
     reader, statements = planned
     for call, required in (
             (lambda: reader.recent_windows(300 * 10**9),

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import requests
 
-from tests.daemons import free_port
+from harness.daemons import free_port
+from tests.support.waiting import eventually
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository root
 RULES = REPO / "deploy" / "prometheus" / "spikehound-rules.yml"
 MISSING = ("Debian's prometheus package is not installed and could not be installed here "
            "(make test runs tests/apt-install.sh; apt-get install prometheus)")
@@ -107,11 +108,10 @@ class PrometheusServer:
 
     def wait_for(self, expr: str, ok: Any = lambda v: v == v, timeout: float = 60) -> float:
         """Poll ``expr`` until ``ok(value)``; the value. NaN (no series) never satisfies the default."""
-        deadline = time.monotonic() + timeout
-        value = math.nan
-        while time.monotonic() < deadline:
+        def satisfied() -> tuple[float]:
             value = self.value(expr)
-            if ok(value):
-                return value
-            time.sleep(0.5)
-        raise AssertionError(f"{expr} never satisfied the condition in {timeout} s (last {value})")
+            assert ok(value), f"{expr} is {value}"  # chained to the timeout: the last value seen
+            return (value,)  # in a tuple, so that a value of 0 counts as found
+
+        (value,) = eventually(satisfied, f"{expr} to satisfy the condition", timeout, every=0.5)
+        return value

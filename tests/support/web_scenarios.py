@@ -1,6 +1,6 @@
 """Data and a browser for the web page tests: real spikes from the scenario generator, and Debian's Chromium.
 
-``spike_database()`` sends two scenarios of ``benchmarks/traffic.py`` as real
+``spike_database()`` sends two scenarios of ``spikehound/scenarios/traffic.py`` as real
 OTLP/HTTP requests to a real collector, once per test session, and keeps the
 SQLite file; each test module starts its own collector on a copy of it:
 
@@ -23,16 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.traffic import NS, Batch, Scenario
+from harness.daemons import CollectorThread, collector_config
+from harness.scenario_io import scenario_requests, send
 from spikehound.model import Span
-from tests.daemons import CollectorThread, collector_config
-from tests.scenario_io import scenario_requests, send
-
-CHROMIUM = Path("/usr/bin/chromium")
-# As root there is no sandbox; without the background-networking flags Chromium keeps calling home, which
-# this machine's closed network refuses.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                 "--disable-background-networking", "--disable-component-update"]
+from spikehound.scenarios.traffic import NS, Batch, Scenario
 
 EVIL_SPAN = "<img src=x onerror=alert(1)>"
 EVIL_ATTRIBUTE = "<script>alert(2)</script>"

@@ -23,7 +23,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tests.daemons import free_port
+from harness.daemons import free_port
+from tests.support.waiting import eventually
 
 
 def signature_ok(secret: bytes, headers: dict[str, str], body: bytes, tolerance: float = 300) -> bool:
@@ -125,10 +126,10 @@ class HookReceiver:
 
     def wait_events(self, n: int, timeout: float = 30) -> list[Received]:
         """The first ``n`` distinct events, waiting for them to arrive."""
-        deadline = time.monotonic() + timeout
-        while len(self.events) < n:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{len(self.events)} of {n} alerts arrived; requests: "
-                                     f"{[(r.status, r.key[:8]) for r in self.requests]}")
-            time.sleep(0.05)
+        def arrived() -> bool:
+            assert len(self.events) >= n, f"{len(self.events)} of {n} alerts arrived; requests: " \
+                                          f"{[(r.status, r.key[:8]) for r in self.requests]}"
+            return True
+
+        eventually(arrived, f"{n} alerts", timeout, every=0.05)
         return list(self.events.values())[:n]

@@ -10,7 +10,7 @@ the current user, who is then also the database superuser.
 
 ``fsync`` stays on so that tests which kill or restart the server see real crash recovery.
 
-Run ``python tests/pgserver.py`` to start one by hand; it prints the URL and waits for Ctrl-C.
+Run ``python harness/pgserver.py`` to start one by hand; it prints the URL and waits for Ctrl-C.
 """
 
 from __future__ import annotations

@@ -1,0 +1,17 @@
+"""Spool items whose payload says their number, so that the order read back can be checked (also in the child
+process of tests/test_spool.py's DISK_FULL script)."""
+
+from __future__ import annotations
+
+from agent.spool import Item, Signal
+
+
+def item(n: int, size: int = 100, signal: Signal = Signal.TRACES) -> Item:
+    """Item number ``n``: its payload starts with the number, so the order can be read back."""
+    tag = f"item-{n:06d}|".encode()
+    return Item(signal, tag + bytes([n % 251]) * (size - len(tag)), n + 1)
+
+
+def number(it: Item) -> int:
+    """The number ``item`` gave it."""
+    return int(it.payload.split(b"|", 1)[0].removeprefix(b"item-"))
