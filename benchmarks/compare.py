@@ -46,7 +46,7 @@ from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from benchmarks.ingest import NS, Collector, _cpu_seconds, _machine_busy_seconds, make_trace
+from benchmarks.ingest import NS, Collector, machine_busy_seconds, make_trace, process_cpu_seconds
 from spikehound.model import Span
 from spikehound.otlp import decode_spans, encode_spans
 from storage.engine import make_engine
@@ -122,13 +122,13 @@ class Timing:
 def timed_compare(api: str, pid: int, since: int, until: int) -> tuple[Timing, dict]:
     query = urllib.parse.urlencode({"baseline": "deployment.id=blue", "candidate": "deployment.id=green",
                                     "since": str(since / NS), "until": str(until / NS)})
-    busy0, cpu0, own0 = _machine_busy_seconds(), _cpu_seconds(pid), time.process_time()
+    busy0, cpu0, own0 = machine_busy_seconds(), process_cpu_seconds(pid), time.process_time()
     started = time.perf_counter()
     with urllib.request.urlopen(f"{api}/api/v1/compare?{query}", timeout=600) as response:
         body = json.load(response)
     seconds = time.perf_counter() - started
-    cpu = _cpu_seconds(pid) - cpu0
-    others = (_machine_busy_seconds() - busy0 - cpu - (time.process_time() - own0)) / seconds
+    cpu = process_cpu_seconds(pid) - cpu0
+    others = (machine_busy_seconds() - busy0 - cpu - (time.process_time() - own0)) / seconds
     return Timing(seconds, cpu, max(others, 0.0)), body
 
 

@@ -251,7 +251,7 @@ def shift_times(body: bytes, offsets: Any, shift_ns: int) -> bytes:
 # --- reference: decode only --------------------------------------------------------------------
 
 
-def _machine_busy_seconds() -> float:
+def machine_busy_seconds() -> float:
     """CPU seconds spent busy (not idle, not waiting for I/O) by the whole machine, all cores together."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait; no guest
@@ -264,7 +264,7 @@ def decode_rate(bodies: Sequence[bytes], min_seconds: float) -> tuple[float, flo
     (often hyperthreaded) machine they can slow this loop down a lot.
     """
     spans = 0
-    busy0, cpu0 = _machine_busy_seconds(), time.process_time()
+    busy0, cpu0 = machine_busy_seconds(), time.process_time()
     started = time.perf_counter()
     while True:
         for body in bodies:
@@ -274,7 +274,7 @@ def decode_rate(bodies: Sequence[bytes], min_seconds: float) -> tuple[float, flo
             spans += len(decoded.spans)
         elapsed = time.perf_counter() - started
         if elapsed >= min_seconds:
-            others = (_machine_busy_seconds() - busy0 - (time.process_time() - cpu0)) / elapsed
+            others = (machine_busy_seconds() - busy0 - (time.process_time() - cpu0)) / elapsed
             return spans / elapsed, max(others, 0.0)
 
 
@@ -391,7 +391,7 @@ def _rss_mb(pid: int) -> tuple[float, float]:
     return tuple(round(int(fields[k].split()[0]) / 1024, 1) for k in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
 
 
-def _cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
@@ -578,7 +578,7 @@ def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tu
 
 def _sample(collector: Collector) -> tuple[float, float, float, float]:
     """Stored spans, collector CPU seconds, machine busy seconds, wall time: now."""
-    return collector.stored_spans(), _cpu_seconds(collector.pid), _machine_busy_seconds(), time.time()
+    return collector.stored_spans(), process_cpu_seconds(collector.pid), machine_busy_seconds(), time.time()
 
 
 def _wait_until(at: float, collector: Collector) -> None:

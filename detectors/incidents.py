@@ -265,7 +265,7 @@ class IncidentBook:
             if strength < s.min_evidence + correction:
                 return None
             any_j = next(iter(group.members.values()))
-            start = _onset(ends, any_j.window_end_ns - any_j.window_start_ns)
+            start = incident_onset(ends, any_j.window_end_ns - any_j.window_start_ns)
         members = {stream: _member(j, group, start) for stream, j in group.members.items()}
         lead = min(members.values(), key=lambda m: m.rank).stream
         incident = Incident(id=spike_id(lead, start, group.locus), locus=group.locus, lead=lead, start_ns=start,
@@ -302,7 +302,7 @@ def _member(j: Judgement, group: Group, incident_start_ns: int) -> Member:
                   over_baseline=j.exceed if j.dense else 0)
 
 
-def _onset(ends: list[int], window_ns: int) -> int:
+def incident_onset(ends: list[int], window_ns: int) -> int:
     """The start of the window in which the slow requests (ending at ascending ``ends``) began to come.
 
     Their latest run: going back from the newest, each earlier one is taken while the gap to it is at most

@@ -243,7 +243,7 @@ class AgentProcess(DaemonProcess):
             healthy = requests.get(f"{self.metrics_url}/healthz", timeout=1).status_code == 200
         except requests.RequestException:
             return False
-        return healthy and all(_accepts(port) for port in (self.grpc_port, self.http_port))
+        return healthy and all(accepts_connections(port) for port in (self.grpc_port, self.http_port))
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of the agent's /metrics: (name, sorted labels) -> value."""
@@ -262,7 +262,7 @@ class AgentProcess(DaemonProcess):
         return f"http://127.0.0.1:{self.metrics_port}"
 
 
-def _accepts(port: int) -> bool:
+def accepts_connections(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True

@@ -125,12 +125,12 @@ def test_tokens_guard_api_and_otlp(tmp_path: Path):
     cfg = collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}", collector__api_token="api-secret",
                            collector__otlp_token="otlp-secret")
     with CollectorThread(cfg) as c:
-        # Not through ApiClient: the document lists no 401 answer (it declares the bearer scheme only), so the
-        # refusals are checked by status alone.
-        assert requests.get(f"{c.api}/api/v1/services", timeout=5).status_code == 401
-        assert requests.get(f"{c.api}/metrics", timeout=5).status_code == 401
-        assert requests.get(f"{c.api}/healthz", timeout=5).status_code == 200  # probes need no token
         api = ApiClient(c.api, headers={"Authorization": "Bearer api-secret"})
+        anonymous = ApiClient(c.api)
+        anonymous.document = api.document  # the document itself is behind the token
+        assert anonymous.get_json("/api/v1/services", expect=401) == {"error": "missing or wrong bearer token"}
+        assert anonymous.get("/metrics").status_code == 401
+        assert anonymous.get_json("/healthz") == {"status": "ok"}  # probes need no token
         assert api.get("/api/v1/services").status_code == 200
 
         req, trace_id = one_span_request()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from detectors.engine import DetectionEngine
-from detectors.incidents import Group, IncidentBook, _onset
+from detectors.incidents import Group, IncidentBook, incident_onset
 from detectors.sequential import SequentialEvidence, SlowRequest
 from detectors.settings import DetectionSettings
 from detectors.stream_judge import Judgement
@@ -110,13 +110,13 @@ def test_the_onset_is_where_slow_requests_began_to_come_not_a_stray_one_before()
     window = 10 * NS
     # A run every few seconds, a stray stall half a minute before it: the run's start.
     run = [T0 + (95 + 2 * k) * NS for k in range(6)]
-    assert _onset([T0 + 68 * NS, *run], window) == T0 + 90 * NS
+    assert incident_onset([T0 + 68 * NS, *run], window) == T0 + 90 * NS
     # A sparse run every twenty seconds, a stray two minutes before it: still the run's start ...
     sparse = [T0 + (200 + 20 * k) * NS for k in range(4)]
-    assert _onset([T0 + 75 * NS, *sparse], window) == T0 + 200 * NS
+    assert incident_onset([T0 + 75 * NS, *sparse], window) == T0 + 200 * NS
     # ... but one that comes at the run's own pace is part of it.
-    assert _onset([T0 + 175 * NS, *sparse], window) == T0 + 170 * NS
-    assert _onset([T0 + 95 * NS, T0 + 107 * NS], window) == T0 + 90 * NS
+    assert incident_onset([T0 + 175 * NS, *sparse], window) == T0 + 170 * NS
+    assert incident_onset([T0 + 95 * NS, T0 + 107 * NS], window) == T0 + 90 * NS
 
 
 # --- the engine on microservice traces -------------------------------------------------------------------

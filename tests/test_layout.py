@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import doctest
+import graphlib
 import importlib
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("spikehound", "agent", "collector", "detectors", "storage")
 OURS = frozenset(PACKAGES)
+OTHERS = frozenset({"tests", "benchmarks", "harness"})  # not shipped: what checks and measures the product
 # Not shipped: the tests, the benchmarks, and what both of them run (harness/).
 TOOLING = ("tests", "benchmarks", "harness")
 
@@ -190,6 +193,57 @@ def test_tests_and_benchmarks_do_not_import_each_other():
     assert found == []
     # the rule sees the imports it is about
     assert "harness.daemons" in {name for name, _ in imports_of(ROOT / "tests" / "conftest.py")}
+
+
+# --- the collector's wiring -------------------------------------------------------------------
+
+
+def test_the_collector_has_no_import_cycles():
+    graph: dict[str, set[str]] = {}
+    for path in source_files("collector"):
+        module = module_name(path)
+        graph[module] = {name for name, _ in imports_of(path)
+                         if top(name) == "collector" and name != module and is_our_module(name)}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle inside collector/: {' -> '.join(exc.args[1])}")
+
+
+def test_the_collector_imports_at_module_level_only():
+    """A function-level import of our own code is how a cycle hides; the collector has none."""
+    found = []
+    for path in source_files("collector"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top_level:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(top(n) in OURS for n in names) or (isinstance(node, ast.ImportFrom) and node.level):
+                    found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}")
+    assert found == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = []
+    for path in source_files(*PACKAGES, "tests", "benchmarks", "harness"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or top(node.module or "") in OURS | OTHERS):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} imports {', '.join(private)}"
+                                 f" from {node.module}")
+    assert found == []
+
+
+@pytest.mark.parametrize("module", ["detectors.engine", "collector.alerts.routing", "collector.alerts.matchers",
+                                    "collector.alerts.notification", "collector.rest.serialize"])
+def test_detectors_and_alert_routing_load_no_web_framework(module):
+    """Checked in a fresh interpreter, so that what the imported modules import counts too."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import sys, {module}; print(' '.join(sorted(sys.modules)))"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert [m for m in loaded if top(m) in ("aiohttp", "jinja2")] == []
 
 
 # --- doctests ---------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from collector.alerts.notification import Notification
+from collector.notifiers.slack import SlackNotifier
+from collector.notifiers.webhook import WebhookNotifier
 from spikehound.config import ReceiverConfig
 
 
@@ -30,9 +32,5 @@ def notifier_for(receiver: ReceiverConfig) -> Notifier:
     'SlackNotifier'
     """
     if receiver.type == "slack":
-        from collector.notifiers.slack import SlackNotifier
-
         return SlackNotifier()
-    from collector.notifiers.webhook import WebhookNotifier
-
     return WebhookNotifier(receiver.signing_secret, receiver.bearer_token)

@@ -3,13 +3,15 @@ their routes with, and the merge of their fragments into one document.
 
 Each route module exports an :class:`OpenApiFragment` (its paths and the schemas they name); ``collector.rest.app``
 merges them with :func:`merge_document`, which adds what is shared: the ``Error`` schema, the ``BadRequest`` and
-``NotFound`` responses, the bearer scheme, and the refusals ``collector/cross_site.py`` answers before any handler.
+``NotFound`` responses, the bearer scheme (optional: asked for when ``collector.api_token`` is set, else 401), and
+the refusals ``collector/cross_site.py`` answers before any handler.
 
 >>> query_param("service", "service name", True)["schema"]
 {'type': 'string', 'minLength': 1}
 >>> merge_document([OpenApiFragment(paths={"/x": {"post": {"responses": {}}}})])["paths"]["/x"]["post"]["responses"]
-{'421': {'$ref': '#/components/responses/MisdirectedRequest'}, '403': {'$ref': '#/components/responses/CrossOrigin'}, \
-'413': {'$ref': '#/components/responses/TooLarge'}, '415': {'$ref': '#/components/responses/UnsupportedMediaType'}}
+{'401': {'$ref': '#/components/responses/Unauthorized'}, '421': {'$ref': '#/components/responses/MisdirectedRequest'}, \
+'403': {'$ref': '#/components/responses/CrossOrigin'}, '413': {'$ref': '#/components/responses/TooLarge'}, \
+'415': {'$ref': '#/components/responses/UnsupportedMediaType'}}
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ UNTIL = query_param("until", "RFC 3339 time or unix seconds; default now", schem
 _ERROR_BODY = json_body("Error")
 # What collector/cross_site.py answers before any handler (docs/operations.md, Security).
 _REFUSALS = {
+    "Unauthorized": ("401", "no bearer token, or a wrong one, while collector.api_token is set"),
     "MisdirectedRequest": ("421", "the Host header is not a name of this collector (DNS rebinding); see "
                                   "collector.allowed_hosts"),
     "CrossOrigin": ("403", "sent on behalf of another site's page (Origin or Sec-Fetch-Site)"),
@@ -113,6 +116,7 @@ def merge_document(fragments: Iterable[OpenApiFragment]) -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                            "description": "required when collector.api_token is set"}},
         },
+        "security": [{}, {"bearer": []}],  # optional: the token is asked for only when one is configured
     }
     _add_refusals(doc)
     return doc
@@ -124,7 +128,8 @@ def _add_refusals(doc: dict[str, Any]) -> None:
                                            for name, (_, text) in _REFUSALS.items()})
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
-            names = [] if path in HOST_EXEMPT_PATHS else ["MisdirectedRequest"]
+            # The health probes are answered to any Host and carry no token (collector/rest/app.py OPEN_PATHS).
+            names = [] if path in HOST_EXEMPT_PATHS else ["Unauthorized", "MisdirectedRequest"]
             if method not in ("get", "head", "options"):
                 names += ["CrossOrigin", "TooLarge", "UnsupportedMediaType"]
             operation["responses"].update({_REFUSALS[n][0]: {"$ref": f"#/components/responses/{n}"} for n in names})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 
-from harness.daemons import AgentProcess, CollectorProcess, _accepts
+from harness.daemons import AgentProcess, CollectorProcess, accepts_connections
 from tests.support.sdk_traffic import send_spans
 from tests.support.systemd_units import unit_seconds
 
@@ -71,7 +71,7 @@ class Notified:
         message = self.notify.receive(0.1)
         if message is None or message.get("READY") != "1":
             return False
-        self.ports_at_ready = {port: _accepts(port) for port in self.ports()}
+        self.ports_at_ready = {port: accepts_connections(port) for port in self.ports()}
         return True
 
 
