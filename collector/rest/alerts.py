@@ -37,16 +37,12 @@ from storage.alerts import OutboxRow
 INT64_MAX = 2**63 - 1  # storage's ids are 64-bit
 
 
+ROUTES = web.RouteTableDef()
+
+
 def add_routes(app: web.Application) -> None:
     """The routes; they act on ``app[ALERTING]``."""
-    r = app.router
-    r.add_get("/api/v1/silences", list_silences)
-    r.add_post("/api/v1/silences", create_silence)
-    r.add_get("/api/v1/silences/{silence_id}", get_silence)
-    r.add_delete("/api/v1/silences/{silence_id}", delete_silence)
-    r.add_get("/api/v1/alerts/outbox", list_outbox)
-    r.add_get("/api/v1/alerts/outbox/{row_id}", get_outbox)
-    r.add_post("/api/v1/alerts/outbox/{row_id}/retry", retry_outbox)
+    app.add_routes(ROUTES)
 
 
 def outbox_json(row: OutboxRow, body: bool = False) -> dict[str, Any]:
@@ -60,6 +56,7 @@ def outbox_json(row: OutboxRow, body: bool = False) -> dict[str, Any]:
     return out
 
 
+@ROUTES.post("/api/v1/silences")
 async def create_silence(request: web.Request) -> web.Response:
     try:
         body = orjson.loads(await request.read())
@@ -73,6 +70,7 @@ async def create_silence(request: web.Request) -> web.Response:
     return json_response(silence.to_json(int(alerting.clock() * 1e9)), 201)
 
 
+@ROUTES.get("/api/v1/silences")
 async def list_silences(request: web.Request) -> web.Response:
     state = request.query.get("state") or "active"
     if state not in ("active", "all"):
@@ -83,6 +81,7 @@ async def list_silences(request: web.Request) -> web.Response:
     return json_response({"silences": [s.to_json(now_ns) for s in found]})
 
 
+@ROUTES.get("/api/v1/silences/{silence_id}")
 async def get_silence(request: web.Request) -> web.Response:
     alerting = request.app[ALERTING]
     row = await alerting.store.silence(request.match_info["silence_id"])
@@ -91,6 +90,7 @@ async def get_silence(request: web.Request) -> web.Response:
     return json_response(Silence.from_row(row).to_json(int(alerting.clock() * 1e9)))
 
 
+@ROUTES.delete("/api/v1/silences/{silence_id}")
 async def delete_silence(request: web.Request) -> web.Response:
     alerting = request.app[ALERTING]
     silence = await alerting.expire_silence(request.match_info["silence_id"])
@@ -99,6 +99,7 @@ async def delete_silence(request: web.Request) -> web.Response:
     return json_response(silence.to_json(int(alerting.clock() * 1e9)))
 
 
+@ROUTES.get("/api/v1/alerts/outbox")
 async def list_outbox(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
     if state not in (None, "pending", "delivered", "dead"):
@@ -112,6 +113,7 @@ def _row_id(request: web.Request) -> int:
     return whole_number(raw, "the notification id", 0, 1, INT64_MAX)
 
 
+@ROUTES.get("/api/v1/alerts/outbox/{row_id}")
 async def get_outbox(request: web.Request) -> web.Response:
     row = await request.app[ALERTING].outbox_row(_row_id(request))
     if row is None:
@@ -119,6 +121,7 @@ async def get_outbox(request: web.Request) -> web.Response:
     return json_response(outbox_json(row, body=True))
 
 
+@ROUTES.post("/api/v1/alerts/outbox/{row_id}/retry")
 async def retry_outbox(request: web.Request) -> web.Response:
     alerting = request.app[ALERTING]
     row_id = _row_id(request)

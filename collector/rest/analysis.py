@@ -35,12 +35,11 @@ from spikehound.timefmt import MAX_NS, NS
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|ms|s)?\s*$")
 
 
+ROUTES = web.RouteTableDef()
+
+
 def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_get("/api/v1/compare", get_compare)
-    r.add_get("/api/v1/profile", get_profile)
-    r.add_get("/api/v1/analyze/batching", get_batching)
-    r.add_get("/api/v1/analyze/pipeline", get_pipeline)
+    app.add_routes(ROUTES)
 
 
 def _number(request: web.Request, name: str, default: float | None, low: float, high: float,
@@ -95,6 +94,7 @@ def _required(request: web.Request, name: str) -> str:
     return value
 
 
+@ROUTES.get("/api/v1/compare")
 async def get_compare(request: web.Request) -> web.Response:
     baseline, candidate = _selection(request, "baseline"), _selection(request, "candidate")
     options = CompareOptions(
@@ -114,6 +114,7 @@ def _max_traces(request: web.Request) -> int:
     return _int(request, "max_traces", analysis.DEFAULT_MAX_TRACES, 1, 1_000_000)
 
 
+@ROUTES.get("/api/v1/profile")
 async def get_profile(request: web.Request) -> web.Response:
     selection, max_traces = _selection(request, "select"), _max_traces(request)
     found = await run_blocking(request.app[EXECUTOR], lambda: analysis.profile(
@@ -121,6 +122,7 @@ async def get_profile(request: web.Request) -> web.Response:
     return json_response(found.to_json())
 
 
+@ROUTES.get("/api/v1/analyze/batching")
 async def get_batching(request: web.Request) -> web.Response:
     service = _required(request, "service")
     selection = _selection(request, "select", required=False)
@@ -133,6 +135,7 @@ async def get_batching(request: web.Request) -> web.Response:
     return json_response({"service": service, "attribute": attribute, **selection.describe(), **report.to_json()})
 
 
+@ROUTES.get("/api/v1/analyze/pipeline")
 async def get_pipeline(request: web.Request) -> web.Response:
     service = _required(request, "service")
     selection, max_traces = _selection(request, "select", required=False), _max_traces(request)

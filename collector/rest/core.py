@@ -44,38 +44,35 @@ from spikehound.timefmt import rfc3339
 _TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
 
 
+ROUTES = web.RouteTableDef()
+
+
 def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_get("/healthz", healthz)
-    r.add_get("/readyz", readyz)
-    r.add_get("/metrics", metrics)
-    r.add_get("/api/v1/traces/{trace_id}", get_trace)
-    r.add_get("/api/v1/services", get_services)
-    r.add_get("/api/v1/latency", get_latency)
-    r.add_get("/api/v1/hosts", get_hosts)
-    r.add_get("/api/v1/metrics", get_metrics)
-    r.add_get("/api/v1/spikes", get_spikes)
-    r.add_get("/api/v1/spikes/{spike_id}", get_spike)
+    app.add_routes(ROUTES)
 
 
 # --- handlers ---------------------------------------------------------------------------------
 
 
+@ROUTES.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
+@ROUTES.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     ok, reason = await request.app[READY]()
     return json_response({"status": "ready" if ok else "not ready", "reason": reason}, 200 if ok else 503)
 
 
+@ROUTES.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     # Off the event loop: span metrics can be tens of thousands of samples, and the spike metrics query storage.
     body = await run_blocking(request.app[EXECUTOR], generate_latest, request.app[TELEMETRY].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+@ROUTES.get("/api/v1/traces/{trace_id}")
 async def get_trace(request: web.Request) -> web.Response:
     trace_id = request.match_info["trace_id"]
     if not _TRACE_ID.match(trace_id):
@@ -88,11 +85,13 @@ async def get_trace(request: web.Request) -> web.Response:
                           "critical_path": [p.hex() for p in path]})
 
 
+@ROUTES.get("/api/v1/services")
 async def get_services(request: web.Request) -> web.Response:
     services = await run_blocking(request.app[EXECUTOR], request.app[READER].services)
     return json_response({"services": [{"service": name, "operations": ops} for name, ops in services]})
 
 
+@ROUTES.get("/api/v1/latency")
 async def get_latency(request: web.Request) -> web.Response:
     service = request.query.get("service")
     if not service:
@@ -107,12 +106,14 @@ async def get_latency(request: web.Request) -> web.Response:
                                       "p99_ms": w.p99_ns / 1e6, "max_ms": w.max_ns / 1e6} for w in windows]})
 
 
+@ROUTES.get("/api/v1/hosts")
 async def get_hosts(request: web.Request) -> web.Response:
     hosts = await run_blocking(request.app[EXECUTOR], request.app[READER].hosts)
     return json_response({"hosts": [{"host": h.host, "last_seen": rfc3339(h.last_seen_unix_nano),
                                      "metrics": list(h.metrics)} for h in hosts]})
 
 
+@ROUTES.get("/api/v1/metrics")
 async def get_metrics(request: web.Request) -> web.Response:
     host = request.query.get("host") or None
     name = request.query.get("name") or None
@@ -126,6 +127,7 @@ async def get_metrics(request: web.Request) -> web.Response:
                                      for s in series], "truncated": truncated})
 
 
+@ROUTES.get("/api/v1/spikes")
 async def get_spikes(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
     if state not in (None, "open", "resolved"):
@@ -138,6 +140,7 @@ async def get_spikes(request: web.Request) -> web.Response:
     return json_response({"spikes": [spike_json(s) for s in spikes]})
 
 
+@ROUTES.get("/api/v1/spikes/{spike_id}")
 async def get_spike(request: web.Request) -> web.Response:
     spike_id = request.match_info["spike_id"]
     spike = await run_blocking(request.app[EXECUTOR], request.app[READER].spike, spike_id)
