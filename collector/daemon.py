@@ -14,6 +14,8 @@ import gc
 import logging
 import ssl
 import sys
+import time
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -51,8 +53,9 @@ class Collector:
 
     name = "collector"
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock  # alerting's wall clock (timers, silences, outbox); tests step it instead of sleeping
         self.telemetry = CollectorTelemetry()
         self.grpc_port = self.http_port = self.api_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -90,7 +93,8 @@ class Collector:
         self._pipeline = IngestPipeline(cfg, queue, Writer(engine), self.telemetry)
         await self._pipeline.restore()
         install_exported_metrics(cfg, self._pipeline, self.telemetry, Reader(engine))
-        self.alerting = Alerting(cfg, engine, self.telemetry.registry, run_on_writer=self._pipeline.on_writer)
+        self.alerting = Alerting(cfg, engine, self.telemetry.registry, run_on_writer=self._pipeline.on_writer,
+                                 clock=self.clock)
         await self.alerting.restore(Reader(engine))
         self._pipeline.spike_listeners.append(self.alerting.observe)
         self._pipeline_task = asyncio.create_task(self._pipeline.run(), name="ingest-pipeline")

@@ -49,8 +49,11 @@ class StorageUnavailable(Exception):
 class IngestPipeline:
     """Owns the writer thread and the latency windows; runs as one background task."""
 
-    def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, telemetry: CollectorTelemetry) -> None:
+    def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, telemetry: CollectorTelemetry, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        # Seconds for the schedules (idle flush, checkpoints, retention); tests step it instead of waiting.
+        self.clock = clock
         self.queue = queue
         self.writer = writer
         self.telemetry = telemetry
@@ -62,10 +65,11 @@ class IngestPipeline:
         self.spike_listeners: list[Callable[[list[Spike]], None]] = []
         self._pending = Detection()  # windows and spikes waiting for the next commit
         self._open_ids: set[str] = set()
+        self._open_windows = 0  # (stream, window) pairs not yet judged, as of the last detector step
         self._orphans: list[Spike] = []  # open in storage, unknown to the restored detectors (see restore)
-        self._last_input = time.monotonic()
-        self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
-        self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
+        self._last_input = self.clock()
+        self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
+        self._next_checkpoint = self.clock() + cfg.detection.checkpoint_seconds
         self.retention = RetentionRunner(Retention(writer.engine), telemetry)
         self._failures = 0
         self._detector_errors_seen: set[tuple[str, str]] = set()
@@ -101,6 +105,8 @@ class IngestPipeline:
         st = self.engine.stats()
         return {
             "spikehound_latency_streams": ("Latency streams with open windows.", st["streams"]),
+            "spikehound_latency_open_windows": ("Latency windows (stream and window) whose spans are counted and "
+                                                "that are not yet closed and judged.", self._open_windows),
             "spikehound_detector_streams": ("Latency streams with a learned baseline.", st["judged_streams"]),
             "spikehound_detector_open_spikes": ("Spikes the detectors hold open now (restored from the "
                                                 "checkpoint after a restart).", st["open_spikes"]),
@@ -112,6 +118,7 @@ class IngestPipeline:
     async def restore(self) -> None:
         """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
         await self._restore_checkpoint()
+        self._open_windows = self.engine.windows.open_windows
         self._open_ids = {s.id for s in self.engine.open_spikes()}
         stored = await self._on_writer(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
         # Opened after the checkpoint the detectors continue from (the collector was killed in between): the
@@ -173,13 +180,13 @@ class IngestPipeline:
         while not (self._stopping and not self.queue.pending()):
             taken = await self.queue.take(c.batch_max_items, timeout=TICK_SECONDS)
             if taken:
-                self._last_input = time.monotonic()
+                self._last_input = self.clock()
                 await self._commit(taken)
             else:
                 await self._tick()
             # Also under continuous ingest: a SIGKILL loses at most checkpoint_seconds of learned state.
-            if time.monotonic() >= self._next_checkpoint:
-                self._next_checkpoint = time.monotonic() + self.cfg.detection.checkpoint_seconds
+            if self.clock() >= self._next_checkpoint:
+                self._next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
                 await self.checkpoint()
         # Open windows are not flushed: they are in the checkpoint, and a restart continues them.
         await self._write_pending()
@@ -241,6 +248,8 @@ class IngestPipeline:
         except Exception as exc:
             self._count_failure("detectors", "the detectors", exc)
             return Detection()
+        finally:  # counted here, on the writer thread: /metrics must not walk the engine's dicts from another
+            self._open_windows = self.engine.windows.open_windows
 
     def _count_failure(self, part: str, what: str, exc: Exception) -> None:
         self.telemetry.detector_errors.labels(part).inc()
@@ -338,7 +347,7 @@ class IngestPipeline:
     async def _tick(self) -> None:
         """With no input: let the watermark catch up, write what the detectors closed, run retention."""
         c = self.cfg.collector
-        idle = time.monotonic() - self._last_input
+        idle = self.clock() - self._last_input
         if idle >= c.idle_flush_seconds:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
             watermark = self.engine.windows.watermark
@@ -352,8 +361,8 @@ class IngestPipeline:
             self._close_orphans()
         if not await self._write_pending():
             return
-        if time.monotonic() >= self._next_retention:
-            self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
+        if self.clock() >= self._next_retention:
+            self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
             await self.run_retention()
 
     async def run_retention(self) -> None:

@@ -389,7 +389,7 @@ def test_collector_outage_and_agent_restart_lose_no_acknowledged_span(collector_
         # The application's exporter rode out the restart: exports are acknowledged again.
         wait_until(lambda: len(app.recording.acked) > acked_before_restart + 300, 30,
                    "the SDK acknowledged by the restarted agent")
-        wait_until(lambda: agent.metric("spikehound_agent_spilled_requests_total") > 0, 10,
+        wait_until(lambda: agent.metric("spikehound_agent_spilled_requests_total") > 0, 60,
                    "the restarted agent spilling behind the old spool")
         assert agent.metric("spikehound_agent_forwarded_total", signal="spans") == 0  # still no collector
 

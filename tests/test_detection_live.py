@@ -6,12 +6,12 @@ collector; the replay reads the same requests from a recorded file through ``spi
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,9 @@ import pytest
 import requests
 
 from benchmarks.traffic import Scenario
-from tests.daemons import CollectorProcess, CollectorThread, collector_config
+from tests.daemons import CollectorProcess, CollectorThread, collector_config, detection_settled
 from tests.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +37,11 @@ def _spikes(api: str) -> list[dict[str, Any]]:
     return response.json()["spikes"]
 
 
-def _settled(api: str, metric: Any, timeout: float = 60) -> list[dict[str, Any]]:
-    """The spikes once the collector has closed every window (the windows counter stopped moving)."""
-    deadline = time.monotonic() + timeout
-    last, stable_since = -1.0, time.monotonic()
-    while time.monotonic() < deadline:
-        closed = metric()
-        if closed != last:
-            last, stable_since = closed, time.monotonic()
-        elif time.monotonic() - stable_since > 3 and closed > 0:
-            return _spikes(api)
-        time.sleep(0.25)
-    raise AssertionError("the collector kept closing windows")
+def _settled(api: str, metric: Callable[[str], float], timeout: float = 60) -> list[dict[str, Any]]:
+    """The spikes once the collector has closed, judged and written every window (``metric`` reads a sample)."""
+    eventually(lambda: detection_settled(metric), "the collector to judge every window", timeout=timeout,
+               every=0.25)
+    return _spikes(api)
 
 
 def _metric(api: str, name: str) -> float:
@@ -77,7 +71,7 @@ def test_replay_finds_what_live_ingest_found(tmp_path: Path):
     write_protobuf(recording, bodies)
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'live.db'}")) as live:
         send(live.http_endpoint, bodies)
-        live_spikes = _settled(live.api, lambda: live.metric("spikehound_latency_windows_closed_total"))
+        live_spikes = _settled(live.api, live.metric)
 
     # One fault, one spike: led by the entry stream, with the service that ran the slow query (and the hops
     # into it) among the streams it moved, and named.
@@ -119,7 +113,7 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
         while not any(s["state"] == "open" for s in _spikes(collector.api)):
             assert time.monotonic() < deadline, f"no spike opened before the restart: {collector.log_tail()}"
             time.sleep(0.25)
@@ -133,7 +127,7 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
                                                                          if s["state"] == "open"])
         assert _metric(collector.api, "spikehound_detector_streams") >= 3
         send(collector.http_endpoint, bodies[cut:])
-        after = _settled(collector.api, lambda: _metric(collector.api, "spikehound_latency_windows_closed_total"))
+        after = _settled(collector.api, lambda name: _metric(collector.api, name))
     finally:
         collector.kill()
 
@@ -160,7 +154,7 @@ def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_c
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
         while not [s for s in _spikes(collector.api) if s["state"] == "open"]:
             assert time.monotonic() < deadline, f"no spike opened before the kill: {collector.log_tail()}"
             time.sleep(0.25)
@@ -187,23 +181,61 @@ def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_c
 
 
 def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Path):
+    """Ingest that never goes idle still checkpoints every ``detection.checkpoint_seconds``.
+
+    Driven on the pipeline itself, so that neither holds by luck of the machine's speed: the whole minute
+    is queued before the pipeline runs (the queue is never empty, so no idle tick ever runs), and the
+    pipeline's clock moves one second per committed request, not with the wall clock. (Sending over HTTP
+    against a wall-clock deadline made "never idle" and "a checkpoint was due" depend on the machine's load.)
+    """
+    import asyncio
+
+    from collector.ingest_queue import IngestQueue
+    from collector.pipeline import IngestPipeline
+    from collector.telemetry import CollectorTelemetry
+    from spikehound.otlp import encode_spans
     from storage import checkpoints
     from storage.engine import make_engine
+    from storage.migrate import upgrade
+    from storage.writer import WriteBatch, Writer
 
-    bodies = scenario_requests(Scenario("steady", seed=4, minutes=1))
     db = f"sqlite:///{tmp_path / 'spikehound.db'}"
-    # Idle flushes never happen while data keeps coming: the checkpoint must not wait for one.
-    cfg = collector_config(db, detection__checkpoint_seconds=0.5, collector__idle_flush_seconds=3600)
-    with CollectorThread(cfg) as live:
-        engine = make_engine(db)
-        deadline = time.monotonic() + 60
-        saved = None
-        # However fast the machine sends the minute of traffic, ingest goes on (sent again: stored once,
-        # late for the windows) until the checkpoint is there or the deadline passes.
-        for i in itertools.cycle(range(0, len(bodies), 4)):
-            send(live.http_endpoint, bodies[i:i + 4])
-            saved = checkpoints.load(engine, "detection")
-            if saved is not None or time.monotonic() > deadline:
-                break
-        engine.dispose()
-    assert saved is not None, "no checkpoint while ingest never went idle"
+    # One request per commit (batch_max_items=1); idle flushes would never happen anyway.
+    cfg = collector_config(db, detection__checkpoint_seconds=10, collector__idle_flush_seconds=3600,
+                           collector__batch_max_items=1)
+    engine = make_engine(db)
+    upgrade(engine)
+    now = [0.0]
+    # Per committed request, in order: (checkpoints saved before it, requests still queued behind it).
+    seen: list[tuple[int, int]] = []
+
+    async def ingest() -> CollectorTelemetry:
+        queue = IngestQueue(capacity=1 << 30)
+        telemetry = CollectorTelemetry()
+        pipeline = IngestPipeline(cfg, queue, Writer(engine), telemetry, clock=lambda: now[0])
+
+        def committed(_: WriteBatch) -> None:  # on the writer thread, right after each commit
+            saved = telemetry.registry.get_sample_value("spikehound_detector_checkpoint_seconds_count") or 0
+            seen.append((int(saved), queue.pending()))
+            now[0] += 1.0
+
+        pipeline.commit_hooks.append(committed)
+        subs = [queue.offer(b.spans, b.points, encode_spans(b.spans).SerializeToString() if b.spans else b"")
+                for b in Scenario("steady", seed=4, minutes=1).batches()]
+        task = asyncio.create_task(pipeline.run())
+        await asyncio.wait_for(asyncio.gather(*(s.committed for s in subs)), 120)
+        pipeline.stop()
+        await asyncio.wait_for(task, 120)
+        pipeline.close()
+        return telemetry
+
+    asyncio.run(ingest())
+    saved = checkpoints.load(engine, "detection")
+    engine.dispose()
+    requests_sent = len(seen)
+    assert requests_sent >= 60
+    # Never idle: every request but the last had more queued behind it when it was committed.
+    assert all(queued > 0 for _, queued in seen[:-1])
+    # A checkpoint after every 10 s of the pipeline's clock, taken between two commits.
+    assert [n for n, _ in seen] == [i // 10 for i in range(requests_sent)], "no checkpoint while ingest never went idle"
+    assert saved is not None

@@ -239,8 +239,11 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
             agent.start()
             app = SdkApp(agent.grpc_endpoint, "llm-gateway", traces_per_second=20).start()
             try:
-                time.sleep(1)
-                assert "sampled" not in agent.log_text()  # the samplers' per-tick line is at debug
+                # The samplers have ticked (their readings reached the collector), and their per-tick line,
+                # at debug, is not in the log: not a pause that a loaded host might not fill with a tick.
+                wait_until(lambda: collector.metric("spikehound_ingest_stored_total", signal="metrics") > 0, 60,
+                           "the agent's first samples stored")
+                assert "sampled" not in agent.log_text()
 
                 write_config(config, '[log]\nlevel = "debug"\n[agent]\nhost_name = "renamed"\n')
                 agent.proc.send_signal(signal.SIGHUP)
@@ -256,7 +259,8 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
                 refused = notify.wait_for("READY", "1")
                 assert "reload failed" in refused["STATUS"] and "log.level" in refused["STATUS"]
                 assert "reload failed; the running configuration stays in effect" in agent.log_text()
-                time.sleep(0.5)
+                after_refusal = len(app.recording.acked)
+                wait_until(lambda: len(app.recording.acked) > after_refusal + 5, 60, "spans acknowledged after it")
             finally:
                 app.stop()
             assert agent.terminate(60) == 0
@@ -307,11 +311,12 @@ def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_takin
 
         app = SdkApp(collector.grpc_endpoint, "model-server", traces_per_second=20).start()
         try:
-            time.sleep(0.5)
+            wait_until(lambda: len(app.recording.acked) > 5, 60, "spans acknowledged before the reload")
             write_config(config, f"[storage]\nspan_retention_max_bytes = {cap}\n[log]\nlevel = \"warning\"\n")
             collector.proc.send_signal(signal.SIGHUP)
             notify.wait_for("READY", "1")
-            time.sleep(0.5)
+            after_reload = len(app.recording.acked)
+            wait_until(lambda: len(app.recording.acked) > after_reload + 5, 60, "spans acknowledged after it")
         finally:
             app.stop()
         acked = app.recording.acked
