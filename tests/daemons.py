@@ -87,15 +87,16 @@ class CollectorThread:
                             ) -> list[dict[str, Any]]:
         """The spikes once every window is closed and judged (see ``detection_settled``) and ``done`` says yes
         to them (default: at least one spike)."""
-        def settled() -> list[dict[str, Any]] | None:
+        def settled() -> tuple[list[dict[str, Any]]] | None:  # in a tuple: no spikes at all is an answer too
             if not self.detection_settled():
                 return None
             spikes = requests.get(f"{self.api}/api/v1/spikes", timeout=10).json()["spikes"]
-            return spikes if done(spikes) else None
+            return (spikes,) if done(spikes) else None
 
         # Not "the windows counter stood still for a while": with input idle the last windows close a whole
         # window later, and a loaded machine can hold the counter still for any time.
-        return eventually(settled, "the collector to judge every window", timeout=timeout, every=0.25)
+        (spikes,) = eventually(settled, "the collector to judge every window", timeout=timeout, every=0.25)
+        return spikes
 
 
 def detection_settled(metric: Callable[[str], float]) -> bool:
