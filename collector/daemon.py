@@ -15,6 +15,8 @@ import gc
 import logging
 import ssl
 import sys
+import time
+from collections.abc import Callable
 
 from collector.alerts.alerting import Alerting, public_url
 from collector.cross_site import Site
@@ -50,8 +52,9 @@ class Collector:
 
     name = "collector"
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock  # alerting's wall clock (timers, silences, outbox); tests step it instead of sleeping
         self.telemetry = CollectorTelemetry()
         # Started in order, stopped in reverse (see start).
         self.components = ComponentStack()
@@ -97,7 +100,7 @@ class Collector:
         self.pipeline = pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, self.telemetry)
         self.telemetry.registry.register(pipeline.detector_metrics)
         install_exported_metrics(cfg, pipeline, self.telemetry, Reader(engine))
-        self.alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread)
+        self.alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread, clock=self.clock)
         pipeline.spike_listeners.append(self.alerting.observe)
         ingest = Ingest.configured(queue, self.telemetry, c)
         if c.allow_unauthenticated_otlp and not (c.otlp_token or c.tls_client_ca_file) and not (

@@ -35,6 +35,8 @@ ENGINE_COUNTERS = (
 )
 ENGINE_GAUGES = (
     ("spikehound_latency_streams", "streams", "Latency streams with open windows."),
+    ("spikehound_latency_open_windows", "open_windows",
+     "Latency windows (stream and window) whose spans are counted and that are not yet closed and judged."),
     ("spikehound_detector_streams", "judged_streams", "Latency streams with a learned baseline."),
     ("spikehound_detector_open_spikes", "open_spikes",
      "Spikes the detectors hold open now (restored from the checkpoint after a restart)."),

@@ -55,8 +55,10 @@ class IngestPipeline:
     name = "ingest pipeline"
 
     def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, writer_thread: WriterThread,
-                 telemetry: CollectorTelemetry) -> None:
+                 telemetry: CollectorTelemetry, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        # Seconds for the schedules (idle flush, checkpoints, retention); tests step it instead of waiting.
+        self.clock = clock
         self.queue = queue
         self.writer = writer
         self.writer_thread = writer_thread
@@ -69,10 +71,11 @@ class IngestPipeline:
         self.spike_listeners: list[Callable[[list[Spike]], None]] = []
         self._pending = Detection()  # windows and spikes waiting for the next commit
         self._open_ids: set[str] = set()
+        self._open_windows = 0  # (stream, window) pairs not yet judged, as of the last detector step
         self._orphans: list[Spike] = []  # open in storage, unknown to the restored detectors (see restore)
-        self._last_input = time.monotonic()
-        self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
-        self._next_checkpoint = time.monotonic() + cfg.detection.checkpoint_seconds
+        self._last_input = self.clock()
+        self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
+        self._next_checkpoint = self.clock() + cfg.detection.checkpoint_seconds
         self.retention = RetentionRunner(Retention(writer.engine), telemetry, writer_thread)
         self._failures = 0
         self._detector_errors_seen: set[tuple[str, str]] = set()
@@ -84,7 +87,7 @@ class IngestPipeline:
 
     def detector_stats(self) -> dict[str, int]:
         """The detection engine's own figures now (the detector metrics read them when scraped)."""
-        return self.engine.stats()
+        return {**self.engine.stats(), "open_windows": self._open_windows}
 
     async def start(self) -> None:
         """Continue from the checkpoint, then take the queue in a background task (see ``failed``)."""
@@ -120,6 +123,7 @@ class IngestPipeline:
     async def restore(self) -> None:
         """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
         await self._restore_checkpoint()
+        self._open_windows = self.engine.windows.open_windows
         self._open_ids = {s.id for s in self.engine.open_spikes()}
         stored = await self.writer_thread.run(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
         # Opened after the checkpoint the detectors continue from (the collector was killed in between): the
@@ -181,13 +185,13 @@ class IngestPipeline:
         while not (self._stopping and not self.queue.pending()):
             taken = await self.queue.take(c.batch_max_items, timeout=TICK_SECONDS)
             if taken:
-                self._last_input = time.monotonic()
+                self._last_input = self.clock()
                 await self._commit(taken)
             else:
                 await self._tick()
             # Also under continuous ingest: a SIGKILL loses at most checkpoint_seconds of learned state.
-            if time.monotonic() >= self._next_checkpoint:
-                self._next_checkpoint = time.monotonic() + self.cfg.detection.checkpoint_seconds
+            if self.clock() >= self._next_checkpoint:
+                self._next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
                 await self.checkpoint()
         # Open windows are not flushed: they are in the checkpoint, and a restart continues them.
         await self._write_pending()
@@ -246,6 +250,8 @@ class IngestPipeline:
         except Exception as exc:
             self._count_failure("detectors", "the detectors", exc)
             return Detection()
+        finally:  # counted here, on the writer thread: /metrics must not walk the engine's dicts from another
+            self._open_windows = self.engine.windows.open_windows
 
     def _commit_hook_failed(self, exc: Exception) -> None:
         self._count_failure("metrics", "a commit hook (span or resource metrics)", exc)
@@ -339,7 +345,7 @@ class IngestPipeline:
     async def _tick(self) -> None:
         """With no input: let the watermark catch up, write what the detectors closed, run retention."""
         c = self.cfg.collector
-        idle = time.monotonic() - self._last_input
+        idle = self.clock() - self._last_input
         if idle >= c.idle_flush_seconds:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
             watermark = self.engine.windows.watermark
@@ -353,8 +359,8 @@ class IngestPipeline:
             self._close_orphans()
         if not await self._write_pending():
             return
-        if time.monotonic() >= self._next_retention:
-            self._next_retention = time.monotonic() + RETENTION_INTERVAL_SECONDS
+        if self.clock() >= self._next_retention:
+            self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
             await self.run_retention()
 
     async def run_retention(self) -> None:

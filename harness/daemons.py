@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Self
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.waiting import eventually
 from spikehound.config import Config, load
 
 
@@ -38,11 +39,11 @@ def collector_config(db_url: str, **settings: Any) -> Config:
 class CollectorThread:
     """A collector running in this process on its own event loop thread."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.time) -> None:
         from collector.daemon import Collector
 
         self.cfg = cfg
-        self.collector = Collector(cfg)
+        self.collector = Collector(cfg, clock=clock)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-collector", daemon=True)
 
@@ -78,22 +79,32 @@ class CollectorThread:
         value = self.collector.telemetry.registry.get_sample_value(name, labels)
         return value or 0.0
 
+    def detection_settled(self) -> bool:
+        """Every latency window closed, judged and written (so its spikes were handed to alerting too)."""
+        return detection_settled(self.metric)
+
     def spikes_once_settled(self, timeout: float = 60, done: Callable[[list[dict[str, Any]]], bool] = bool
                             ) -> list[dict[str, Any]]:
-        """The spikes once the windows counter has stood still for 3 s (every window closed) and ``done``
-        says yes to them (default: at least one window closed)."""
-        deadline = time.monotonic() + timeout
-        last, since = -1.0, time.monotonic()
-        while time.monotonic() < deadline:
-            closed = self.metric("spikehound_latency_windows_closed_total")
-            if closed != last:
-                last, since = closed, time.monotonic()
-            elif time.monotonic() - since > 3 and closed > 0:
-                spikes = requests.get(f"{self.api}/api/v1/spikes", timeout=10).json()["spikes"]
-                if done(spikes):
-                    return spikes
-            time.sleep(0.25)
-        raise AssertionError("the collector did not settle")
+        """The spikes once every window is closed and judged (see ``detection_settled``) and ``done`` says yes
+        to them (default: at least one spike)."""
+        def settled() -> tuple[list[dict[str, Any]]] | None:  # in a tuple: no spikes at all is an answer too
+            if not self.detection_settled():
+                return None
+            spikes = requests.get(f"{self.api}/api/v1/spikes", timeout=10).json()["spikes"]
+            return (spikes,) if done(spikes) else None
+
+        # Not "the windows counter stood still for a while": with input idle the last windows close a whole
+        # window later, and a loaded machine can hold the counter still for any time.
+        (spikes,) = eventually(settled, "the collector to judge every window", timeout=timeout, every=0.25)
+        return spikes
+
+
+def detection_settled(metric: Callable[[str], float]) -> bool:
+    """From a collector's metrics: no window left open, and every judged window written (the spikes its
+    judgement made are stored and were routed). ``metric`` reads one unlabelled sample by name."""
+    judged = metric("spikehound_detector_judged_windows_total")
+    return (metric("spikehound_latency_open_windows") == 0 and judged > 0
+            and metric("spikehound_latency_windows_closed_total") == judged)
 
 
 def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:

@@ -24,8 +24,8 @@ from agent.forward_queue import ForwardQueue
 from agent.intake import Intake
 from agent.otlp_http import http_app
 from agent.spool import DiskSpool, Item, Signal
+from harness.waiting import eventually
 from spikehound.otlp import PayloadError
-from tests.support.waiting import eventually
 
 LIMIT = 8192
 IDENTITY = {"host.name": "gpu-node-3", "host.id": "5f2c" * 8, "nvidia.gpu.uuids": [f"GPU-{n:032x}" for n in range(8)]}

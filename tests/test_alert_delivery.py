@@ -8,6 +8,7 @@ to an aiohttp receiver, the REST API and /metrics.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -19,10 +20,10 @@ import pytest
 import requests
 
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from spikehound.config import Config
 from spikehound.model import Cause, CauseKind, Spike
 from tests.support.alert_receivers import HookReceiver, signature_ok
-from tests.support.waiting import eventually
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -255,7 +256,7 @@ def test_an_unreadable_retry_after_is_ignored_and_the_outbox_moves_on(tmp_path, 
                  alerts__max_attempts=2)
     with CollectorThread(cfg) as running:
         observe(running, spike(1))
-        (dead,) = eventually(lambda: outbox(running, "dead"), "a dead letter", 15)
+        (dead,) = eventually(lambda: outbox(running, "dead"), "a dead letter", 60)
         assert dead["attempts"] == 2 and dead["last_error"].startswith("HTTP 429")
         assert running.metric("spikehound_alert_delivery_attempts_total", receiver="pager", result="retry") == 1
         observe(running, spike(2, service="model-server"))  # the receiver's queue is not jammed behind it
@@ -354,20 +355,31 @@ def test_silences_are_created_listed_and_ended(db_url):
 
 
 def test_a_flapping_spike_does_not_make_a_storm(tmp_path, hook):
+    # Alerting's clock is the test's: the resolve wait runs out when the test says, not when a stall of a
+    # loaded machine happens to last longer than it between two of the flaps.
+    now = [time.time()]
     cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}",
                  [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}],
                  route={"resolve_wait_seconds": 3})
-    with CollectorThread(cfg) as running:
+    with CollectorThread(cfg, clock=lambda: now[0]) as running:
         # Six spikes on one stream for one reason, each ending and the next opening a moment later (the
         # detector gives each a new id, as it does when a stream flaps around its threshold).
+        def observed(*spikes: Spike) -> None:  # handed over and taken in at the clock's present time
+            observe(running, *spikes)
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), running.loop).result(10)  # runs after it
+
         for n in range(6):
             s = spike(n)
-            observe(running, s)
-            time.sleep(0.2)
-            observe(running, ended(s))
-            time.sleep(0.2)
+            observed(s)
+            now[0] += 0.2
+            observed(ended(s))
+            now[0] += 0.2
+        firing = hook.wait_events(1)
+        now[0] += 3  # the resolve wait passes after the last flap
         hook.wait_events(2)
-        time.sleep(1)
-        rows = outbox(running)
+        # Both delivered is what ends the sending: nothing is pending, and with the clock held no timer is due.
+        rows = eventually(lambda: (r := outbox(running)) and all(
+            n["state"] == "delivered" for n in r) and r, "both delivered")
+    assert firing[0].json["status"] == "firing"
     assert [e.json["status"] for e in hook.events.values()] == ["firing", "resolved"]
     assert len(hook.requests) == 2 and len(rows) == 2

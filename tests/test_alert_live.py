@@ -7,7 +7,6 @@ spike but before routing it routes it at the next start.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -19,14 +18,14 @@ import requests
 
 from harness.daemons import CollectorProcess, CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
 from spikehound.scenarios.traffic import Scenario
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.writer import WriteBatch, Writer
-from tests.support.alert_receivers import HookReceiver
+from tests.support.alert_receivers import HookReceiver, Received
 from tests.support.api_client import client_of, get_json
-from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -66,18 +65,37 @@ def _spikes(api: str) -> list[dict[str, Any]]:
     return get_json(f"{api}/api/v1/spikes")["spikes"]
 
 
+def _all_sent(running: CollectorThread, hook: HookReceiver) -> Received:
+    """Wait until nothing more can come of the traffic sent, instead of pausing "long enough" for it.
+
+    First every window is judged and written (the spikes it made were handed to alerting); then a canary
+    spike, handed to alerting after them, pages. Routing decides in order and each receiver's outbox is sent
+    oldest first, so once the canary's page is in, every notification decided before it has been sent.
+    Returns the canary's page.
+    """
+    eventually(running.detection_settled, "the collector to judge every window", timeout=60)
+    canary = Spike(id="ca0a4ca0a4ca0a40", service="canary", operation="GET /canary", state="open",
+                   start_unix_nano=1_767_225_600 * S, end_unix_nano=None, p99_ns=200_000_000,
+                   baseline_p99_ns=50_000_000, causes=())
+    assert running.collector.alerting is not None
+    running.loop.call_soon_threadsafe(running.collector.alerting.observe, [canary])
+    return eventually(lambda: next((e for e in hook.events.values()
+                                    if e.json["commonLabels"]["service"] == "canary"), None),
+                      "the canary's page", timeout=60)
+
+
 def test_a_silence_on_a_service_the_spike_only_moved_lets_it_page_then_resolve(tmp_path: Path):
     """The spike is led by the gateway; preprocess is one of the streams it moved, and the place of its
     cause. A silence on service preprocess is about spikes preprocess leads: this one pages."""
     with HookReceiver(secret=SECRET.encode()) as hook, _paged_under_silence(tmp_path, hook,
                                                                             {"service": "preprocess"}) as running:
         events = hook.wait_events(2, timeout=60)
-        time.sleep(2)  # anything else would have arrived by now
+        canary = _all_sent(running, hook)
         spikes = _spikes(running.api)
 
-    # One fault, one spike, one alert: its firing message and its resolve notice.
+    # One fault, one spike, one alert: its firing message and its resolve notice (then the canary's page).
     (spike,) = spikes
-    assert len(hook.requests) == 2
+    assert [r.key for r in hook.requests] == [*(e.key for e in events), canary.key]
     firing, resolved = (e.json for e in events)
     assert (firing["status"], resolved["status"]) == ("firing", "resolved")
     assert firing["commonLabels"]["service"] == "gateway"
@@ -96,11 +114,11 @@ def test_a_silence_on_the_service_of_its_cause_suppresses_it(tmp_path: Path):
                             "the spike to resolve")
         silenced = eventually(lambda: running.metric(
             "spikehound_alert_spikes_total", outcome="silenced", route="pager"), "the silence to be counted")
-        time.sleep(2)  # a page, had there been one, would have arrived by now
+        canary = _all_sent(running, hook)  # a page, had there been one, was sent before it
 
     # The spike is led by the gateway, but its slow query ran in preprocess: the silence covers it.
     assert [s["service"] for s in spikes] == ["gateway"]
-    assert silenced >= 1 and hook.requests == []
+    assert silenced >= 1 and [r.key for r in hook.requests] == [canary.key]
 
 
 def test_a_collector_killed_before_delivery_delivers_after_its_restart(tmp_path: Path):
@@ -148,8 +166,9 @@ resolve_wait_seconds = 5
             (event,) = hook.wait_events(1, timeout=60)
             send(collector.http_endpoint, bodies[cut:])
             eventually(lambda: len(hook.events) == 2, "the resolve notice", 120)
-            time.sleep(2)
-            rows = _outbox(collector.api)
+            # Recorded as delivered (after the receiver's answer): nothing is left to retry.
+            rows = eventually(lambda: (r := _outbox(collector.api)) and all(
+                n["state"] == "delivered" for n in r) and r, "both recorded as delivered")
         finally:
             collector.kill()
 
@@ -181,9 +200,11 @@ def test_spikes_committed_but_not_yet_routed_are_routed_at_the_next_start(db_url
         # It ends while the collector is down (as the detectors would have written it just before a kill).
         Writer(engine).write(WriteBatch(spikes=[replace(spike, state="resolved",
                                                         end_unix_nano=spike.start_unix_nano + 90 * S)]))
-        with CollectorThread(cfg):
+        with CollectorThread(cfg) as running:
             resolved = hook.wait_events(2)[1]
-            time.sleep(1)
+            # Restore routes what it finds once, at start; with both recorded as delivered nothing is left to send.
+            eventually(lambda: (r := _outbox(running.api)) and all(n["state"] == "delivered" for n in r),
+                       "both recorded as delivered")
     engine.dispose()
     assert firing.json["alerts"][0]["annotations"]["spike_id"] == spike.id
     assert resolved.json["status"] == "resolved" and resolved.json["alerts"][0]["endsAt"] == "2026-01-01T00:01:30Z"

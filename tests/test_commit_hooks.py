@@ -12,9 +12,9 @@ import requests
 
 from collector.commit_hooks import CommitHooks
 from harness.daemons import CollectorThread
+from harness.waiting import eventually
 from storage.writer import WriteBatch
 from tests.support.otlp_requests import post, request, span
-from tests.support.waiting import eventually
 
 
 def test_a_raising_hook_is_reported_and_the_next_one_still_runs():

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from harness.daemons import CollectorProcess
-from tests.support.waiting import eventually
+from harness.waiting import eventually
 
 # CollectorProcess.start leaves its log file to the garbage collector; the fixture collects it under this filter.
 pytestmark = pytest.mark.slow

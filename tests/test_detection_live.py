@@ -6,23 +6,33 @@ collector; the replay reads the same requests from a recorded file through ``spi
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from harness.daemons import CollectorProcess, CollectorThread, collector_config
+from collector.ingest_queue import IngestQueue
+from collector.pipeline import IngestPipeline
+from collector.telemetry import CollectorTelemetry
+from collector.writer_thread import WriterThread
+from harness.daemons import CollectorProcess, CollectorThread, collector_config, detection_settled
 from harness.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+from harness.waiting import eventually
+from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
+from storage import checkpoints
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.writer import WriteBatch, Writer
 from tests.support.api_client import get_json
-from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -36,18 +46,10 @@ def _spikes(api: str) -> list[dict[str, Any]]:
     return get_json(f"{api}/api/v1/spikes")["spikes"]
 
 
-def _settled(api: str, metric: Any, timeout: float = 60) -> list[dict[str, Any]]:
-    """The spikes once the collector has closed every window (the windows counter stopped moving)."""
-    seen = {"closed": -1.0, "since": time.monotonic()}
-
-    def settled() -> bool:
-        closed = metric()
-        if closed != seen["closed"]:
-            seen.update(closed=closed, since=time.monotonic())
-            return False
-        return closed > 0 and time.monotonic() - seen["since"] > 3
-
-    eventually(settled, "the collector to stop closing windows", timeout, every=0.25)
+def _settled(api: str, metric: Callable[[str], float], timeout: float = 60) -> list[dict[str, Any]]:
+    """The spikes once the collector has closed, judged and written every window (``metric`` reads a sample)."""
+    eventually(lambda: detection_settled(metric), "the collector to judge every window", timeout=timeout,
+               every=0.25)
     return _spikes(api)
 
 
@@ -78,7 +80,7 @@ def test_replay_finds_what_live_ingest_found(tmp_path: Path):
     write_protobuf(recording, bodies)
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'live.db'}")) as live:
         send(live.http_endpoint, bodies)
-        live_spikes = _settled(live.api, lambda: live.metric("spikehound_latency_windows_closed_total"))
+        live_spikes = _settled(live.api, live.metric)
 
     # One fault, one spike: led by the entry stream, with the service that ran the slow query (and the hops
     # into it) among the streams it moved, and named.
@@ -120,7 +122,7 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
         while not any(s["state"] == "open" for s in _spikes(collector.api)):
             assert time.monotonic() < deadline, f"no spike opened before the restart: {collector.log_tail()}"
             time.sleep(0.25)
@@ -134,7 +136,7 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
                                                                          if s["state"] == "open"])
         assert _metric(collector.api, "spikehound_detector_streams") >= 3
         send(collector.http_endpoint, bodies[cut:])
-        after = _settled(collector.api, lambda: _metric(collector.api, "spikehound_latency_windows_closed_total"))
+        after = _settled(collector.api, lambda name: _metric(collector.api, name))
     finally:
         collector.kill()
 
@@ -161,7 +163,7 @@ def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_c
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
         while not [s for s in _spikes(collector.api) if s["state"] == "open"]:
             assert time.monotonic() < deadline, f"no spike opened before the kill: {collector.log_tail()}"
             time.sleep(0.25)
@@ -188,23 +190,51 @@ def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_c
 
 
 def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Path):
-    from storage import checkpoints
-    from storage.engine import make_engine
+    """Ingest that never goes idle still checkpoints every ``detection.checkpoint_seconds``.
 
-    bodies = scenario_requests(Scenario("steady", seed=4, minutes=1))
+    Driven on the pipeline itself, so that neither holds by luck of the machine's speed: the whole minute
+    is queued before the pipeline runs (the queue is never empty, so no idle tick ever runs), and the
+    pipeline's clock moves one second per committed request, not with the wall clock. (Sending over HTTP
+    against a wall-clock deadline made "never idle" and "a checkpoint was due" depend on the machine's load.)
+    """
     db = f"sqlite:///{tmp_path / 'spikehound.db'}"
-    # Idle flushes never happen while data keeps coming: the checkpoint must not wait for one.
-    cfg = collector_config(db, detection__checkpoint_seconds=0.5, collector__idle_flush_seconds=3600)
-    with CollectorThread(cfg) as live:
-        engine = make_engine(db)
-        deadline = time.monotonic() + 60
-        saved = None
-        # However fast the machine sends the minute of traffic, ingest goes on (sent again: stored once,
-        # late for the windows) until the checkpoint is there or the deadline passes.
-        for i in itertools.cycle(range(0, len(bodies), 4)):
-            send(live.http_endpoint, bodies[i:i + 4])
-            saved = checkpoints.load(engine, "detection")
-            if saved is not None or time.monotonic() > deadline:
-                break
-        engine.dispose()
-    assert saved is not None, "no checkpoint while ingest never went idle"
+    # One request per commit (batch_max_items=1); idle flushes would never happen anyway.
+    cfg = collector_config(db, detection__checkpoint_seconds=10, collector__idle_flush_seconds=3600,
+                           collector__batch_max_items=1)
+    engine = make_engine(db)
+    upgrade(engine)
+    now = [0.0]
+    # Per committed request, in order: (checkpoints saved before it, requests still queued behind it).
+    seen: list[tuple[int, int]] = []
+
+    async def ingest() -> CollectorTelemetry:
+        queue = IngestQueue(capacity=1 << 30)
+        telemetry = CollectorTelemetry()
+        writer_thread = WriterThread()
+        await writer_thread.start()
+        pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, telemetry, clock=lambda: now[0])
+
+        def committed(_: WriteBatch) -> None:  # on the writer thread, right after each commit
+            saved = telemetry.registry.get_sample_value("spikehound_detector_checkpoint_seconds_count") or 0
+            seen.append((int(saved), queue.pending()))
+            now[0] += 1.0
+
+        pipeline.commit_hooks.add(committed)
+        subs = [queue.offer(b.spans, b.points, encode_spans(b.spans).SerializeToString() if b.spans else b"")
+                for b in Scenario("steady", seed=4, minutes=1).batches()]
+        await pipeline.start()
+        await asyncio.wait_for(asyncio.gather(*(s.committed for s in subs)), 120)
+        await asyncio.wait_for(pipeline.stop(), 120)
+        await writer_thread.stop()
+        return telemetry
+
+    asyncio.run(ingest())
+    saved = checkpoints.load(engine, "detection")
+    engine.dispose()
+    requests_sent = len(seen)
+    assert requests_sent >= 60
+    # Never idle: every request but the last had more queued behind it when it was committed.
+    assert all(queued > 0 for _, queued in seen[:-1])
+    # A checkpoint after every 10 s of the pipeline's clock, taken between two commits.
+    assert [n for n, _ in seen] == [i // 10 for i in range(requests_sent)], "no checkpoint while ingest never went idle"
+    assert saved is not None

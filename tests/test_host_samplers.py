@@ -24,7 +24,7 @@ from agent.sample import Kind, Sample
 from agent.samplers import cpu as cpu_module
 from agent.samplers.cpu import CpuSampler
 from agent.samplers.network import NetworkSampler, parse_tcp
-from tests.support.waiting import eventually
+from harness.waiting import eventually
 
 MB = 1_000_000
 LINUX = sys.platform.startswith("linux")
@@ -142,7 +142,7 @@ def test_failing_query_is_counted_and_the_rest_still_comes_out() -> None:
 
 def wait_for_zombie(pid: int) -> None:
     eventually(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the killed child to become a zombie",
-               5, every=0.01)
+               30, every=0.01)  # a positive condition: a loaded host may take a while to get there
 
 
 @pytest.mark.parametrize("found_by", ["pattern", "pid_file", "both"])
@@ -162,6 +162,7 @@ def test_busy_child_process(found_by: str, busy_child: tuple[subprocess.Popen[by
     assert cpu.attributes == {"process.pid": child.pid, "process.executable.name": psutil.Process(child.pid).name()}
     # One core, busy. On a host saturated by other work the child gets less: re-measure a few times, and check
     # each reading against the child's CPU time read independently around it.
+    checked = False
     for _ in range(4):
         if cpu.value > 0.3:
             break
@@ -170,7 +171,9 @@ def test_busy_child_process(found_by: str, busy_child: tuple[subprocess.Popen[by
         cpu = one(sampler.sample(), "process.cpu.utilization")
         truth = (sum(psutil.Process(child.pid).cpu_times()[:2]) - before) / (time.monotonic() - start)
         assert cpu.value == pytest.approx(truth, abs=0.15)
-    assert 0.3 < cpu.value < 1.3, cpu.value
+        checked = True
+    # Below 0.3 of a core only when the host gave the child no more: then the reading matched the truth.
+    assert (cpu.value > 0.3 or checked) and cpu.value < 1.3, cpu.value
     rss = one(second, "process.memory.usage", process__pid=child.pid)
     assert rss.value > 1_000_000 and rss.unit == "By"
     assert sampler.processes == {child.pid: cpu.attributes}
@@ -212,22 +215,25 @@ def test_process_that_execs_into_the_server_is_found(busy_child: tuple[subproces
     monkeypatch.setattr(cpu_module, "FULL_SCAN_EVERY", 1000)  # so only the young-process re-check can find it
     late_token = f"{token}-exec"
     # The token is only assembled at run time, so the command line carries it only after the exec.
-    code = ("import os, sys, time; time.sleep(0.5); "
+    # It execs when the test says so (a line on its stdin), not after a pause the test must beat.
+    code = ("import os, sys; sys.stdin.readline(); "
             f"os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {token!r} + '-exec'])")
     sampler = CpuSampler(process_patterns=[late_token], rescan_interval_s=0)
     assert sampler.start()
-    wrapper = subprocess.Popen([sys.executable, "-c", code])
+    wrapper = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     try:
-        time.sleep(0.2)
         assert not pick(sampler.sample(), "process.memory.usage")  # seen, not a match yet
-        deadline = time.monotonic() + 5
-        while not pick(samples := sampler.sample(), "process.memory.usage"):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        assert wrapper.stdin is not None
+        wrapper.stdin.write(b"exec\n")
+        wrapper.stdin.close()
+        samples = eventually(lambda: (found := sampler.sample()) and pick(found, "process.memory.usage") and found,
+                             "the server it execs into to be found", timeout=30, every=0.1)
         assert one(samples, "process.memory.usage").attributes["process.pid"] == wrapper.pid
     finally:
         wrapper.kill()
         wrapper.wait()
+        if wrapper.stdin is not None:
+            wrapper.stdin.close()
 
 
 def test_rescan_reads_only_new_processes(monkeypatch: pytest.MonkeyPatch) -> None:

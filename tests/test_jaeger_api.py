@@ -15,8 +15,8 @@ import requests
 from opentelemetry import trace
 
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from tests.support.otel_send import MS, timed_span, tracer_provider
-from tests.support.waiting import eventually
 
 RESPONSE_KEYS = {"data", "total", "limit", "offset", "errors"}
 TRACE_KEYS = {"traceID", "spans", "processes", "warnings"}

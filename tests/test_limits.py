@@ -32,6 +32,7 @@ from sqlalchemy import create_engine, func, select
 
 from detectors.trace_buffer import TraceBuffer
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from spikehound.model import Span, SpanKind, StatusCode
 from storage import schema
 from storage.migrate import upgrade
@@ -228,9 +229,9 @@ def test_request_bytes_in_flight_are_capped_over_both_receivers(small_budget: Co
     with socket.create_connection(("127.0.0.1", c.collector.http_port), timeout=30) as slow:
         slow.sendall(f"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {PROTOBUF}\r\n"
                      f"Content-Length: {len(slow_body)}\r\n\r\n".encode() + slow_body[:1000])
-        deadline = time.monotonic() + 10
-        while c.metric("spikehound_ingest_bytes_in_flight") < len(slow_body) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # Held before the next request is sent: otherwise that one would fit and the test prove nothing.
+        eventually(lambda: c.metric("spikehound_ingest_bytes_in_flight") >= len(slow_body),
+                   "the slow upload's bytes held", timeout=60, every=0.02)
 
         # Meanwhile another 20 kB request does not fit: HTTP 429 with Retry-After ...
         refused = post(c, trace_request([{"trace_id": os.urandom(16), "name": "more",

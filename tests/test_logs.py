@@ -16,9 +16,9 @@ import requests
 from sqlalchemy.engine import make_url
 
 from harness.daemons import free_port
+from harness.waiting import eventually
 from spikehound import logs
 from spikehound.config import load
-from tests.support.waiting import eventually
 
 SECRETS = {"SPIKEHOUND_COLLECTOR_API_TOKEN": "api-t0ken-7f3a9c", "SPIKEHOUND_COLLECTOR_OTLP_TOKEN": "otlp-t0ken-c41d2e"}
 DB_PASSWORD = "db-pa55word-91b"

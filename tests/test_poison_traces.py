@@ -15,8 +15,8 @@ import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from tests.support.otlp_requests import assert_still_serving, post, request, span
-from tests.support.waiting import eventually
 
 MS = 1_000_000
 

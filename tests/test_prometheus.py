@@ -151,7 +151,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                 lambda v: v == SENT + 1)
             prometheus.wait_for(f'count(gpu_utilization_percentage{{host="{HOST}"}})')
             prometheus.wait_for(f'count(cpu_load_average{{host="{HOST}"}})')
-            time.sleep(2.5)  # two more scrapes: the last increase is inside every rate() window
+            # Two more scrapes of every series, counted in Prometheus (not a pause a loaded host might not fill):
+            # the last increase is inside every rate() window.
+            counted = f'min(count_over_time(traces_span_metrics_calls_total{{service_name="{SERVICE}"}}[1h]))'
+            scraped = prometheus.value(counted)
+            prometheus.wait_for(counted, lambda v: v >= scraped + 2)
             yield Stack(collector, agent, prometheus, durations)
         finally:
             prometheus.stop()
@@ -174,7 +178,7 @@ def test_histogram_quantile_over_span_metrics_is_within_one_bucket_of_the_true_p
 
 def test_every_rule_evaluates_and_the_p99_high_gpu_low_alert_is_raised(stack):
     prometheus = stack.prometheus
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
     alerts: list[dict] = []
     while time.monotonic() < deadline:
         alerts = [a for a in prometheus.api("alerts")["alerts"]

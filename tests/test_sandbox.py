@@ -31,6 +31,7 @@ import pytest
 
 from agent.spool import DiskSpool
 from harness.daemons import free_port
+from harness.waiting import eventually
 from storage import checkpoints
 from storage.engine import make_engine
 from storage.reader import Reader, count_rows
@@ -42,7 +43,6 @@ from tests.support.systemd_notify import (
     stop_as_systemd_does,
 )
 from tests.support.systemd_units import service_section
-from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 

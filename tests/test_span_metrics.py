@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from collector.span_metrics import SpanMetrics
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
 from storage.engine import make_engine
 from storage.writer import WriteBatch, Writer
 from tests.support.otel_send import MS, sample_provider, send_durations, timed_span, tracer_provider
-from tests.support.waiting import eventually
 
 CONNECTOR_LES = ["2", "4", "6", "8", "10", "50", "100", "200", "400", "800", "1000", "1400", "2000", "5000",
                  "10000", "15000", "+Inf"]

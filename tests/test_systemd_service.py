@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 import sqlite3
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -25,6 +24,7 @@ from agent.spool import DiskSpool
 from detectors.engine import DetectionEngine
 from detectors.settings import DetectionSettings
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, free_port
+from harness.waiting import eventually
 from storage import checkpoints
 from storage.engine import make_engine
 from storage.reader import Reader
@@ -37,7 +37,6 @@ from tests.support.systemd_notify import (
     send_traces,
     stop_as_systemd_does,
 )
-from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -157,8 +156,11 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
             agent.start()
             app = SdkApp(agent.grpc_endpoint, "llm-gateway", traces_per_second=20).start()
             try:
-                time.sleep(1)
-                assert "sampled" not in agent.log_text()  # the samplers' per-tick line is at debug
+                # The samplers have ticked (their readings reached the collector), and their per-tick line,
+                # at debug, is not in the log: not a pause that a loaded host might not fill with a tick.
+                eventually(lambda: collector.metric("spikehound_ingest_stored_total", signal="metrics") > 0,
+                           "the agent's first samples stored", 60)
+                assert "sampled" not in agent.log_text()
 
                 write_config(config, '[log]\nlevel = "debug"\n[agent]\nhost_name = "renamed"\n')
                 agent.proc.send_signal(signal.SIGHUP)
@@ -174,7 +176,8 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
                 refused = notify.wait_for("READY", "1")
                 assert "reload failed" in refused["STATUS"] and "log.level" in refused["STATUS"]
                 assert "reload failed; the running configuration stays in effect" in agent.log_text()
-                time.sleep(0.5)
+                after_refusal = len(app.recording.acked)
+                eventually(lambda: len(app.recording.acked) > after_refusal + 5, "spans acknowledged after it", 60)
             finally:
                 app.stop()
             assert agent.terminate(60) == 0
@@ -225,11 +228,12 @@ def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_takin
 
         app = SdkApp(collector.grpc_endpoint, "model-server", traces_per_second=20).start()
         try:
-            time.sleep(0.5)
+            eventually(lambda: len(app.recording.acked) > 5, "spans acknowledged before the reload", 60)
             write_config(config, f"[storage]\nspan_retention_max_bytes = {cap}\n[log]\nlevel = \"warning\"\n")
             collector.proc.send_signal(signal.SIGHUP)
             notify.wait_for("READY", "1")
-            time.sleep(0.5)
+            after_reload = len(app.recording.acked)
+            eventually(lambda: len(app.recording.acked) > after_reload + 5, "spans acknowledged after it", 60)
         finally:
             app.stop()
         acked = app.recording.acked

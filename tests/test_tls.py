@@ -28,9 +28,9 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 from collector.daemon import Collector
 from harness.daemons import AgentProcess, CollectorThread, collector_config
+from harness.waiting import eventually
 from spikehound.config import Config, ConfigError, load
 from tests.support.sdk_traffic import send_spans, trace_request
-from tests.support.waiting import eventually
 
 TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 SPIKEHOUND = str(Path(sys.executable).parent / "spikehound")

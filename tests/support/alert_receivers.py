@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from harness.daemons import free_port
-from tests.support.waiting import eventually
+from harness.waiting import eventually
 
 
 def signature_ok(secret: bytes, headers: dict[str, str], body: bytes, tolerance: float = 300) -> bool:

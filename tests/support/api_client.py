@@ -23,7 +23,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from tests.support.waiting import eventually
+from harness.waiting import eventually
 
 DOCUMENT_PATH = "/api/v1/openapi.json"
 DOCUMENT_URI = "urn:spikehound:openapi"  # where the document's own "#/components/..." references point

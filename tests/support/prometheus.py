@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from harness.daemons import free_port
-from tests.support.waiting import eventually
+from harness.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository root
 RULES = REPO / "deploy" / "prometheus" / "spikehound-rules.yml"
