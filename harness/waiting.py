@@ -14,7 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def eventually(check: Callable[[], T | None], what: str, timeout: float = 30.0, every: float = 0.1) -> T:
+def eventually(check: Callable[[], T | None], what: str, timeout: float = 60.0, every: float = 0.1) -> T:
     """Call ``check`` until it returns something truthy and return that; fail naming ``what`` after ``timeout``.
 
     An exception from ``check`` counts as "not yet" (a daemon still starting refuses connections), and the

@@ -87,7 +87,7 @@ class SdkTraffic:
         self._thread.start()
         return self
 
-    def wait_acked(self, count: int, timeout: float = 30) -> None:
+    def wait_acked(self, count: int, timeout: float = 60) -> None:
         eventually(lambda: len(self.recorder.acked) >= count, f"{count} spans acknowledged", timeout, every=0.05)
 
     def stop(self) -> None:

@@ -29,7 +29,7 @@ def quick_collector(tmp_path: Path) -> Iterator[CollectorThread]:
         yield running
 
 
-def wait_for_windows(c: CollectorThread, more_than: float, timeout: float = 20) -> float:
+def wait_for_windows(c: CollectorThread, more_than: float, timeout: float = 60) -> float:
     """The closed-window count once it passes ``more_than``: the writer thread got through the detectors."""
     def closed() -> tuple[float] | None:
         count = c.metric("spikehound_latency_windows_closed_total")

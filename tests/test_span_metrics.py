@@ -39,7 +39,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
-def wait_metric(api: str, name: str, expected: float, timeout: float = 20, **labels: str) -> Samples:
+def wait_metric(api: str, name: str, expected: float, timeout: float = 60, **labels: str) -> Samples:
     def reached() -> Samples:
         _, samples = scrape(api)
         seen = value(samples, name, **labels)

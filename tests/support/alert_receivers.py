@@ -124,7 +124,7 @@ class HookReceiver:
         extra = {"Retry-After": self.retry_after} if self.retry_after and status in (429, 503) else {}
         return web.Response(status=status, text="ok" if status == 200 else "not now", headers=extra)
 
-    def wait_events(self, n: int, timeout: float = 30) -> list[Received]:
+    def wait_events(self, n: int, timeout: float = 60) -> list[Received]:
         """The first ``n`` distinct events, waiting for them to arrive."""
         def arrived() -> bool:
             assert len(self.events) >= n, f"{len(self.events)} of {n} alerts arrived; requests: " \

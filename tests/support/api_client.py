@@ -70,7 +70,7 @@ class ApiClient:
             f"GET {path} {params or ''} answered {response.status_code}, not {expect}: {response.text[:500]}"
         return response.json()
 
-    def wait_json(self, path: str, ready: Callable[[Any], Any], timeout: float = 20, *, what: str | None = None,
+    def wait_json(self, path: str, ready: Callable[[Any], Any], timeout: float = 60, *, what: str | None = None,
                   **params: Any) -> Any:
         """The first documented 200 body of GET ``path`` that ``ready`` accepts, polled until ``timeout``; the
         failure names ``what`` (by default, the request)."""
@@ -153,7 +153,7 @@ def get_json(url: str, expect: int = 200, **params: Any) -> Any:
     return client.get_json(path, expect, **params)
 
 
-def wait_json(url: str, ready: Callable[[Any], Any], timeout: float = 20, *, what: str | None = None,
+def wait_json(url: str, ready: Callable[[Any], Any], timeout: float = 60, *, what: str | None = None,
               **params: Any) -> Any:
     """``ApiClient.wait_json`` by full URL."""
     client, path = _split(url)
