@@ -182,6 +182,7 @@ class Agent:
     async def stop(self) -> None:
         """Stop receiving, forward what is queued until the drain deadline, spool the rest."""
         self._stopping = True
+        self._running = False  # /healthz: not ok while it drains and spools
         await self.components.stop()
 
     async def _drain(self, seconds: float) -> None:

@@ -18,6 +18,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from sqlalchemy import Engine
+
 from collector.alerts.alerting import Alerting, public_url
 from collector.cross_site import Site
 from collector.exported_metrics import install_exported_metrics
@@ -27,6 +29,7 @@ from collector.otlp_grpc import start_grpc
 from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
 from collector.rest.app import build_app
+from collector.retention import RetentionRunner
 from collector.telemetry import CollectorTelemetry
 from collector.tls import ServerTls, describe
 from collector.writer_thread import WriterThread
@@ -38,6 +41,7 @@ from spikehound.live_config import ALERT_KEYS, COLLECTOR_LIVE_KEYS, RETENTION_KE
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.reader import Reader
+from storage.retention import Retention
 from storage.writer import Writer
 
 log = logging.getLogger("spikehound.collector")
@@ -52,9 +56,10 @@ class Collector:
 
     name = "collector"
 
-    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: Config, *, alerting_clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
-        self.clock = clock  # alerting's wall clock (timers, silences, outbox); tests step it instead of sleeping
+        # Alerting's wall clock (timers, silences, outbox); tests step it instead of sleeping.
+        self.alerting_clock = alerting_clock
         self.telemetry = CollectorTelemetry()
         # Started in order, stopped in reverse (see start).
         self.components = ComponentStack()
@@ -94,21 +99,35 @@ class Collector:
         url = cfg.database_url
         log.info("storage %s", redact_url(url))
         self.engine = engine = make_engine(url, sqlite_synchronous=cfg.storage.sqlite_synchronous)
+        try:
+            await self._start_on(engine, tls)
+        except BaseException:
+            engine.dispose()  # whatever failed, the pool's connections (and a SQLite file's lock) go with it
+            raise
+        self._listening = True
+
+    async def _start_on(self, engine: Engine, tls: ServerTls | None) -> None:
+        """Build the components on ``engine`` and start them in order (see the comment at the stack)."""
+        cfg, c = self.cfg, self.cfg.collector
+        reader = Reader(engine)
         writer_thread = WriterThread()
         queue = IngestQueue(c.queue_capacity)
         self.telemetry.queue_capacity.set(c.queue_capacity)
-        self.pipeline = pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, self.telemetry)
+        retention = RetentionRunner(Retention(engine), self.telemetry, writer_thread)
+        self.pipeline = pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, retention,
+                                                  self.telemetry)
         self.telemetry.registry.register(pipeline.detector_metrics)
-        install_exported_metrics(cfg, pipeline, self.telemetry, Reader(engine))
-        self.alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread, clock=self.clock)
-        pipeline.spike_listeners.append(self.alerting.observe)
+        install_exported_metrics(cfg, pipeline, self.telemetry, reader)
+        self.alerting = alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread,
+                                            clock=self.alerting_clock)
+        pipeline.spike_listeners.append(alerting.observe)
         ingest = Ingest.configured(queue, self.telemetry, c)
         if c.allow_unauthenticated_otlp and not (c.otlp_token or c.tls_client_ca_file) and not (
                 c.otlp_grpc.is_loopback and c.otlp_http.is_loopback):
             log.warning("OTLP receivers listen beyond loopback without collector.otlp_token or client certificates "
                         "(collector.allow_unauthenticated_otlp = true): any host that reaches them can send data")
         site = Site.from_config(c, links=self._links(c.api.port))  # the hosts and origin it answers to
-        api = build_app(Reader(engine), self.telemetry, self._ready, c.api_token, self.alerting, site)
+        api = build_app(reader, self.telemetry, self._ready, c.api_token, alerting, site)
         self._api = HttpServer(api, c.api, "API" + describe(tls, c.api_tls_client_ca_file),
                                ssl_context=tls.http_context(c.api_tls_client_ca_file) if tls else None)
         self._grpc = GrpcServer("OTLP/gRPC", functools.partial(
@@ -118,19 +137,21 @@ class Collector:
         self._http = HttpServer(HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app(), c.otlp_http,
                                 "OTLP/HTTP" + describe(tls, c.tls_client_ca_file),
                                 ssl_context=tls.http_context(c.tls_client_ca_file) if tls else None)
-        # Stopped in the reverse order: the receivers first; the pipeline commits what they accepted and hands
-        # its last spikes to alerting, which commits its last decisions; the API (alerting's routes) goes; the
-        # writer thread ends once every write ran, and storage closes last.
+        # Alerting's groups and silences are restored before the API takes requests (a silence created
+        # meanwhile would be overwritten by the restore). Stopped in the reverse order: the receivers first;
+        # the pipeline commits what they accepted and hands its last spikes to alerting, which commits its last
+        # decisions; the API (alerting's routes) goes; the writer thread ends once every write ran, and
+        # storage closes last.
         await self.components.start(
             Stage("storage", start=self._open_storage, stop=self._close_storage),
             writer_thread,
+            Stage("alert state", start=functools.partial(alerting.restore, reader)),
             self._api,
-            Stage("alerting", start=self._start_alerting, stop=self.alerting.stop),
+            Stage("alerting", start=self._start_alerting, stop=alerting.stop),
             pipeline,
             self._grpc,
             self._http,
         )
-        self._listening = True
 
     async def _open_storage(self) -> None:
         revision = await asyncio.get_running_loop().run_in_executor(None, upgrade, self.engine)
@@ -140,9 +161,8 @@ class Collector:
         self.engine.dispose()
 
     async def _start_alerting(self) -> None:
-        """Restore the alert groups and silences, then route and deliver (links point at the bound API port)."""
+        """Route and deliver; links point at the bound API port."""
         assert self.alerting is not None
-        await self.alerting.restore(Reader(self.engine))
         self.alerting.start(self._links(self.api_port))
 
     def _links(self, api_port: int) -> str:

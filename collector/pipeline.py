@@ -33,7 +33,6 @@ from spikehound.model import Spike
 from spikehound.text import printable
 from storage import checkpoints
 from storage.reader import Reader
-from storage.retention import Retention
 from storage.writer import SpanBlock, WriteBatch, Writer
 
 log = logging.getLogger("spikehound.collector.pipeline")
@@ -48,14 +47,16 @@ STORAGE_RETRY_BACKOFF = Backoff(initial=0.25, most=5.0)  # 0.25, 0.5, 1, 2, 4, t
 class IngestPipeline:
     """Owns the latency windows and the detectors; runs as one background task from ``start`` until ``stop``.
 
-    Every write goes through ``writer_thread``, which the collector lends to retention and alerting as well.
+    Every write goes through ``writer_thread``, the collector's, which retention and alerting share; the
+    pipeline runs ``retention`` when it is idle (it knows when that is).
     The detector metrics (``detector_metrics``) are for the daemon to register.
     """
 
     name = "ingest pipeline"
 
     def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, writer_thread: WriterThread,
-                 telemetry: CollectorTelemetry, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 retention: RetentionRunner, telemetry: CollectorTelemetry, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         # Seconds for the schedules (idle flush, checkpoints, retention); tests step it instead of waiting.
         self.clock = clock
@@ -76,7 +77,7 @@ class IngestPipeline:
         self._last_input = self.clock()
         self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
         self._next_checkpoint = self.clock() + cfg.detection.checkpoint_seconds
-        self.retention = RetentionRunner(Retention(writer.engine), telemetry, writer_thread)
+        self.retention = retention  # run on this pipeline's idle ticks
         self._failures = 0
         self._detector_errors_seen: set[tuple[str, str]] = set()
         self._stopping = False

@@ -279,7 +279,7 @@ def _join_resources(causes: list[Cause], flags: Sequence[ResourceFlag]) -> list[
         if len(out) < 3 and cause.host is not None:  # only the top components are explained by their host
             for flag in sorted(flags, key=lambda f: (-f.severity, f.metric, f.series)):
                 marker = (flag.host, flag.metric, flag.series)
-                if flag.host != cause.host or marker in used or cause.kind.value not in flag.explains:
+                if flag.host != cause.host or marker in used or cause.kind not in flag.explains:
                     continue
                 used.add(marker)
                 what = f"{cause.operation} of {cause.service}" if cause.operation else f"service {cause.service}"

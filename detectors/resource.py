@@ -12,7 +12,7 @@ the window; counters become a rate per second (resets are survived).
 Flags are only *evidence*: attribution joins them to a spike when they sit on
 a host that served the slow part of the slow requests, in the spike's window.
 
->>> from spikehound.model import MetricKind, MetricPoint
+>>> from spikehound.model import CauseKind, MetricKind, MetricPoint
 >>> S = 1_000_000_000
 >>> watch = ResourceWatch(window_ns=10 * S)
 >>> def gpu(t, value):
@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 from river import base, stats
 
-from spikehound.model import MetricKind, MetricPoint
+from spikehound.model import CauseKind, MetricKind, MetricPoint
 
 __all__ = ["RULES", "ResourceDetector", "ResourceFlag", "ResourceWatch", "Rule"]
 
@@ -56,7 +56,7 @@ class Rule:
     percent: bool = False  # shown as a percentage in sentences
     # Cause kinds whose growth this resource can explain on the host that served them: a GPU or CPU for a
     # span's own work, the network for a hop. Attribution joins a flag only to such a cause.
-    explains: tuple[str, ...] = ("span", "service")
+    explains: tuple[CauseKind, ...] = (CauseKind.SPAN, CauseKind.SERVICE)
     # How much slower it can make the work it explains: "capacity" (a CPU: work that had 1 - baseline of it
     # spare now has 1 - observed), "ratio" (a GPU doing baseline / observed less), or "unbounded" (errors,
     # throttling, swapping: timeouts and retries have no ceiling).
@@ -94,9 +94,9 @@ RULES: tuple[Rule, ...] = (
     # Steal of a few percent comes and goes on any shared VM; a fifth of the CPU taken away slows real work.
     Rule("system.cpu.utilization", "CPU steal", +1, 0.1, 0.2, match=(("cpu.mode", "steal"),),
          absent=("cpu.logical_number",), percent=True, slowdown="capacity"),
-    Rule("system.network.errors", "network errors", +1, 1.0, 1.0, explains=("network",)),
-    Rule("system.network.dropped", "dropped packets", +1, 1.0, 1.0, explains=("network",)),
-    Rule("system.network.tcp.retransmits", "TCP retransmits", +1, 5.0, 5.0, explains=("network",)),
+    Rule("system.network.errors", "network errors", +1, 1.0, 1.0, explains=(CauseKind.NETWORK,)),
+    Rule("system.network.dropped", "dropped packets", +1, 1.0, 1.0, explains=(CauseKind.NETWORK,)),
+    Rule("system.network.tcp.retransmits", "TCP retransmits", +1, 5.0, 5.0, explains=(CauseKind.NETWORK,)),
     Rule("system.memory.utilization", "memory utilization", +1, 0.03, 0.92, percent=True),
     Rule("system.paging.utilization", "swap utilization", +1, 0.1, 0.1, percent=True),
 )
@@ -119,7 +119,7 @@ class ResourceFlag:
     unit: str
     severity: float  # the detector's score: robust standard deviations the harmful way
     summary: str
-    explains: tuple[str, ...] = ("span", "service")  # cause kinds it can explain (see Rule.explains)
+    explains: tuple[CauseKind, ...] = (CauseKind.SPAN, CauseKind.SERVICE)  # cause kinds it can explain (Rule.explains)
     max_slowdown: float = math.inf  # the most it can slow the work it explains (see Rule.max_slowdown)
 
 

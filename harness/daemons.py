@@ -43,7 +43,7 @@ class CollectorThread:
         from collector.daemon import Collector
 
         self.cfg = cfg
-        self.collector = Collector(cfg, clock=clock)
+        self.collector = Collector(cfg, alerting_clock=clock)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-collector", daemon=True)
 

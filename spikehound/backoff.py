@@ -4,7 +4,7 @@ The step doubles from ``initial`` with each consecutive failure, up to
 ``most``; the delay is drawn uniformly between ``jitter[0]`` and ``jitter[1]``
 times the step, so that clients that failed together do not retry together.
 The random source is passed in, so that tests can seed it. Used by the
-agent's forwarder, the collector's storage writer and alert delivery.
+agent's forwarder, the ingest pipeline's retries of a failed commit, and alert delivery.
 
 >>> import random
 >>> alerts = Backoff(initial=1.0, most=300.0)

@@ -158,7 +158,7 @@ def cmd_spikes(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from collector.detection import detection_settings
     from collector.replay import replay
-    from collector.rest.serialize import spike_json
+    from spikehound.model_json import spike_json
     from spikehound.otlp_file import OtlpFileError
 
     cfg = load(args.config)

@@ -27,6 +27,7 @@ cleans up its own partial start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -88,7 +89,8 @@ class ComponentStack:
             try:
                 await component.start()
             except BaseException:
-                await self.stop()
+                with contextlib.suppress(Exception):  # logged by stop(); what to raise is why the start failed
+                    await self.stop()
                 raise
             self._started.append(component)
 

@@ -1,8 +1,9 @@
-"""The model read back from its JSON form, the one the REST API serves (``collector/rest/serialize.py``).
+"""The JSON form of spans, causes and spikes: written for the REST API, the webhook body and the alert groups'
+saved state, and read back by whatever then reasons about them (the demo judging the API's answers, alerting
+restoring its groups). Plain functions of the model, with no web framework.
 
-For whatever holds a spike or its causes as that JSON and then reasons about them: the demo judging the API's
-answers, the alert groups' saved state. Reading is exact: times keep every digit (RFC 3339 with nanoseconds)
-and the ``*_ms`` fields are nanoseconds divided by 10**6. Fields an older writer left out take their defaults.
+Reading is exact: times keep every digit (RFC 3339 with nanoseconds) and the ``*_ms`` fields are
+nanoseconds divided by 10**6. Fields an older writer left out take their defaults.
 
 >>> cause = cause_from_json({"kind": "network", "service": "model-server", "operation": "POST /infer",
 ...                          "peer_service": "gateway", "score": 0.8, "summary": "hop +60 ms"})
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from spikehound.model import AffectedStream, Cause, CauseKind, Spike
-from spikehound.timefmt import parse_time
+from spikehound.model import AffectedStream, Cause, CauseKind, Span, Spike
+from spikehound.timefmt import parse_time, rfc3339
 
 NS_PER_MS = 1e6
 
@@ -56,3 +57,37 @@ def spike_from_json(doc: dict[str, Any]) -> Spike:
 def ns_of_ms(ms: float) -> int:
     """Nanoseconds from the API's milliseconds (written as ns / 10**6, so rounding recovers them)."""
     return round(ms * NS_PER_MS)
+
+
+# --- written -----------------------------------------------------------------------------------
+
+
+def span_json(s: Span) -> dict[str, Any]:
+    return {
+        "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+        "parent_span_id": s.parent_span_id.hex() if s.parent_span_id else None,
+        "service": s.service, "host": s.host, "name": s.name, "kind": s.kind.name,
+        "start": rfc3339(s.start_unix_nano), "start_unix_nano": s.start_unix_nano,
+        "duration_ns": s.duration_ns, "status": s.status.name, "attributes": s.attributes,
+        "resource": s.resource, "events": s.events,
+    }
+
+
+def cause_json(c: Cause) -> dict[str, Any]:
+    return {"kind": str(c.kind), "service": c.service, "operation": c.operation, "peer_service": c.peer_service,
+            "host": c.host, "resource": c.resource, "score": c.score, "baseline": c.baseline,
+            "observed": c.observed, "unit": c.unit, "summary": c.summary}
+
+
+def spike_json(s: Spike) -> dict[str, Any]:
+    return {"id": s.id, "service": s.service, "operation": s.operation, "peer_service": s.peer_service,
+            "state": s.state, "start": rfc3339(s.start_unix_nano), "end": rfc3339(s.end_unix_nano),
+            "p99_ms": s.p99_ns / 1e6, "baseline_p99_ms": s.baseline_p99_ns / 1e6,
+            "causes": [cause_json(c) for c in s.causes],
+            "exemplar_trace_ids": [t.hex() for t in s.exemplar_trace_ids],
+            "affected_streams": [{"service": a.service, "operation": a.operation, "peer_service": a.peer_service,
+                                  "start": rfc3339(a.start_unix_nano),
+                                  "last_anomalous_end": rfc3339(a.last_anomalous_end_unix_nano),
+                                  "p99_ms": a.p99_ns / 1e6, "baseline_p99_ms": a.baseline_p99_ns / 1e6,
+                                  "evidence": a.evidence, "slow_requests": a.slow_requests}
+                                 for a in s.affected]}

@@ -1,5 +1,5 @@
-"""Every read query of the REST API, the Jaeger API and the web pages: :class:`Reader`, each query served by an
-index of ``storage.schema``.
+"""Every read query of the REST API, the Jaeger API and the web pages (but the alert tables', in
+``storage.alerts``): :class:`Reader`, each query served by an index of ``storage.schema``.
 
 Methods return model records or small plain tuples; the API turns them into
 JSON, the pages into HTML. They are synchronous (the collector runs them in a

@@ -17,9 +17,9 @@ import pytest
 
 from collector.alerts.routing import GroupState, Router
 from collector.alerts.silences import Silence
-from collector.rest.serialize import spike_json
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
 from spikehound.model import AffectedStream, Cause, CauseKind, Spike
+from spikehound.model_json import spike_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -85,4 +85,4 @@ async def _append(log: list[str], line: str) -> None:
 
 def test_the_collector_stops_its_receivers_first_and_its_storage_last(sqlite_collector: CollectorThread):
     assert sqlite_collector.collector.components.started == [
-        "storage", "writer thread", "API", "alerting", "ingest pipeline", "OTLP/gRPC", "OTLP/HTTP"]
+        "storage", "writer thread", "alert state", "API", "alerting", "ingest pipeline", "OTLP/gRPC", "OTLP/HTTP"]

@@ -21,6 +21,7 @@ import requests
 
 from collector.ingest_queue import IngestQueue
 from collector.pipeline import IngestPipeline
+from collector.retention import RetentionRunner
 from collector.telemetry import CollectorTelemetry
 from collector.writer_thread import WriterThread
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, detection_settled
@@ -31,6 +32,7 @@ from spikehound.scenarios.traffic import Scenario
 from storage import checkpoints
 from storage.engine import make_engine
 from storage.migrate import upgrade
+from storage.retention import Retention
 from storage.writer import WriteBatch, Writer
 from tests.support.api_client import get_json
 
@@ -212,7 +214,9 @@ def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Pa
         telemetry = CollectorTelemetry()
         writer_thread = WriterThread()
         await writer_thread.start()
-        pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, telemetry, clock=lambda: now[0])
+        retention = RetentionRunner(Retention(engine), telemetry, writer_thread)
+        pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, retention, telemetry,
+                                  clock=lambda: now[0])
 
         def committed(_: WriteBatch) -> None:  # on the writer thread, right after each commit
             saved = telemetry.registry.get_sample_value("spikehound_detector_checkpoint_seconds_count") or 0

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -68,6 +69,8 @@ from collector.alerts.silences import Silence
 from collector.web.links import spike_page_url, trace_page_path
 from spikehound.config import AlertsConfig, RouteConfig
 from spikehound.model import Spike
+
+log = logging.getLogger("spikehound.collector.alerts")
 
 HOUR = 3600.0
 NS = 1_000_000_000
@@ -213,7 +216,14 @@ class Router:
             if route not in self.routes:
                 self._removed.add(gid)
                 continue
-            g = self.groups[gid] = GroupState.from_json(state)
+            try:
+                g = GroupState.from_json(state)
+            except (ValueError, KeyError, TypeError) as exc:  # written by another version, or damaged
+                log.warning("alert group %s: its saved state does not read (%s: %s); it is dropped, and alerts "
+                            "about its spikes start afresh", gid, exc.__class__.__name__, str(exc)[:200])
+                self._removed.add(gid)
+                continue
+            self.groups[gid] = g
             for fp, a in g.alerts.items():
                 for sid in a.open_spikes:
                     self._index.setdefault(sid, []).append((gid, fp))

@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from collector.rest.serialize import spike_json
 from spikehound.model import Spike
-from spikehound.model_json import spike_from_json
+from spikehound.model_json import spike_from_json, spike_json
 
 
 def saved_form(spike: Spike) -> dict[str, Any]:

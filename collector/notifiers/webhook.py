@@ -36,8 +36,8 @@ from typing import Any
 import orjson
 
 from collector.alerts.notification import AlertItem, Notification, ratio
-from collector.rest.serialize import spike_json
 from spikehound import __version__
+from spikehound.model_json import spike_json
 from spikehound.timefmt import rfc3339
 
 SIGNATURE_HEADER = "X-Spikehound-Signature"

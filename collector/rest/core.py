@@ -36,9 +36,9 @@ from collector.rest.openapi import (
     query_param,
     schema_object,
 )
-from collector.rest.serialize import span_json, spike_json
 from detectors.critical_path import critical_path
 from spikehound.model import CauseKind
+from spikehound.model_json import span_json, spike_json
 from spikehound.timefmt import rfc3339
 
 _TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
