@@ -306,3 +306,20 @@ def test_routing_loads_no_web_framework():
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
 
     assert loaded.stdout.strip() == "[]"
+
+
+def test_a_saved_group_that_no_longer_reads_is_dropped_and_the_rest_restore(clock, caplog):
+    """A state written by another version, or damaged, costs that group only: the collector still starts."""
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    router.observe([spike(1)])
+    decision = router.evaluate()
+    (gid, (route, state)), = decision.saved.items()
+    doc = orjson.loads(state)
+    next(iter(doc["alerts"].values()))["spike"]["causes"][0]["kind"] = "gpu"  # a kind this version lacks
+
+    again = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    again.restore([("damaged", route, orjson.dumps(doc).decode()), ("torn", route, state[:40]), (gid, route, state)])
+
+    assert set(again.groups) == {gid} and again.open_spike_ids() == {"spike-1"}
+    assert again.evaluate().removed == {"damaged", "torn"}  # deleted from storage, not read again at each start
+    assert caplog.text.count("its saved state does not read") == 2
