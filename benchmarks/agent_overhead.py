@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,14 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.ports import free_port
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 GRPC_CORE_THREADS = ("event_engine", "grpc_global_tim", "lifeguard")  # gRPC's own thread names
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ticks(stat: str) -> int:

@@ -56,7 +56,6 @@ import asyncio
 import dataclasses
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from pathlib import Path
 import requests
 from aiohttp import web
 
+from harness.ports import free_port
 from spikehound.otlp import encode_points, encode_spans
 from spikehound.scenarios.traffic import Batch, Scenario
 
@@ -76,12 +76,6 @@ WINDOW_S = 10
 LATENESS_S = 5
 LEAD_S = 20  # the sender is in real time from this long before the onset
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Receiver:

@@ -63,7 +63,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from harness.ports import free_port
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import decode_spans, encode_spans
 from spikehound.protowire import FIXED64, fields
@@ -379,12 +379,6 @@ def _sender_process(conn: Connection, endpoint: str, workload: Workload, infligh
 # --- the collector under test ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_mb(pid: int) -> tuple[float, float]:
     """Resident memory now and its high-water mark, in MB, from /proc/PID/status."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
@@ -403,7 +397,7 @@ class Collector:
     def __init__(self, db_url: str, workdir: Path, settings: dict[str, bool] | None = None) -> None:
         self.db_url = db_url
         self.log_path = workdir / "collector.log"
-        self.api_port, self.grpc_port, self.http_port = _free_port(), _free_port(), _free_port()
+        self.api_port, self.grpc_port, self.http_port = free_port(), free_port(), free_port()
         self.env = {**os.environ, "SPIKEHOUND_DATA_DIR": str(workdir)}
         for key, value in (settings or {}).items():  # "detection.enabled" -> SPIKEHOUND_DETECTION_ENABLED
             self.env["SPIKEHOUND_" + key.replace(".", "_").upper()] = "true" if value else "false"

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-import requests
 import schemathesis
 from schemathesis import BaseSchema, Case
 from schemathesis.checks import not_a_server_error
@@ -21,6 +19,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from harness.api_client import ApiClient, client_of
 from harness.daemons import CollectorProcess, free_port
 from harness.scenario_io import scenario_requests, send
 from spikehound.scenarios.traffic import Scenario
@@ -61,14 +60,16 @@ def loaded_collector(workdir: Path) -> CollectorProcess:
         "SPIKEHOUND_ALERTS_MAX_ATTEMPTS": "1"})
     collector.start()
     send(collector.http_endpoint, scenario_requests(SCENARIO))
-    deadline = time.monotonic() + 60
-    while not requests.get(f"{collector.api}/api/v1/alerts/outbox?state=dead", timeout=10).json()["notifications"]:
-        if time.monotonic() > deadline:
-            collector.kill()
-            raise RuntimeError(f"no spike was found and dead-lettered: {collector.log_tail()}")
-        time.sleep(0.5)
-    requests.post(f"{collector.api}/api/v1/silences", timeout=10, json={
-        "matchers": {"service": "preprocess"}, "duration_seconds": 3600, "comment": "api fuzz"}).raise_for_status()
+    api = client_of(collector.api)
+    try:
+        api.wait_json("/api/v1/alerts/outbox", lambda body: body["notifications"],
+                      what="a spike found and dead-lettered", state="dead")
+    except AssertionError as exc:
+        collector.kill()
+        raise RuntimeError(f"no spike was found and dead-lettered: {collector.log_tail()}") from exc
+    made = api.post("/api/v1/silences", json={"matchers": {"service": "preprocess"}, "duration_seconds": 3600,
+                                              "comment": "api fuzz"})
+    assert made.status_code == 201, made.text
     return collector
 
 
@@ -82,7 +83,7 @@ def known_cases(schema: BaseSchema, api: str) -> list[Case]:
     dead letter and the silence), which generated ids and names rarely hit: every object route with data."""
 
     def get(path: str) -> Any:
-        return requests.get(api + path, timeout=60).json()
+        return ApiClient(api, timeout=60).get_json(path)
 
     def case(method: str, path: str, path_parameters: dict[str, Any] | None = None,
              query: dict[str, Any] | None = None) -> Case:

@@ -16,16 +16,12 @@ from pathlib import Path
 from typing import Any, BinaryIO, Self
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
+from harness.api_client import list_spikes
+from harness.ports import free_port
+from harness.scrape import Samples, scrape, total
 from harness.waiting import eventually
 from spikehound.config import Config, load
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def collector_config(db_url: str, **settings: Any) -> Config:
@@ -90,13 +86,13 @@ class CollectorThread:
         def settled() -> tuple[list[dict[str, Any]]] | None:  # in a tuple: no spikes at all is an answer too
             if not self.detection_settled():
                 return None
-            spikes = requests.get(f"{self.api}/api/v1/spikes", timeout=10).json()["spikes"]
-            return (spikes,) if done(spikes) else None
+            found = list_spikes(self.api)
+            return (found,) if done(found) else None
 
         # Not "the windows counter stood still for a while": with input idle the last windows close a whole
         # window later, and a loaded machine can hold the counter still for any time.
-        (spikes,) = eventually(settled, "the collector to judge every window", timeout=timeout, every=0.25)
-        return spikes
+        (found,) = eventually(settled, "the collector to judge every window", timeout=timeout, every=0.25)
+        return found
 
 
 def detection_settled(metric: Callable[[str], float]) -> bool:
@@ -144,16 +140,17 @@ class DaemonProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives with the process, closed by kill/terminate
         self.proc = subprocess.Popen([*self.prefix, exe, *self.args()], stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self._close_log()
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
-            if self.ready():
-                return self
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"{self.name} not ready in {timeout} s: {self.log_tail()}")
+        proc = self.proc
+        try:  # "exited" ends the wait too: a daemon that died is not waited for until the timeout
+            state = eventually(lambda: "exited" if proc.poll() is not None else self.ready() and "ready",
+                               f"{self.name} to be ready", timeout)
+        except AssertionError:
+            self.kill()
+            raise RuntimeError(f"{self.name} not ready in {timeout} s: {self.log_tail()}") from None
+        if state == "exited":
+            self._close_log()
+            raise RuntimeError(f"{self.name} exited with {proc.returncode}: {self.log_tail()}")
+        return self
 
     @property
     def running(self) -> bool:
@@ -256,17 +253,13 @@ class AgentProcess(DaemonProcess):
             return False
         return healthy and all(accepts_connections(port) for port in (self.grpc_port, self.http_port))
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self) -> Samples:
         """Every sample of the agent's /metrics: (name, sorted labels) -> value."""
-        text = requests.get(f"{self.metrics_url}/metrics", timeout=5).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return scrape(self.metrics_url, timeout=5)
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples called ``name`` whose labels include ``labels``; 0 when there are none."""
-        wanted = set(labels.items())
-        return sum(value for (sample, sample_labels), value in self.metrics().items()
-                   if sample == name and wanted <= set(sample_labels))
+        return total(self.metrics(), name, **labels)
 
     @property
     def metrics_url(self) -> str:

@@ -51,6 +51,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from collector.analysis import parse_selection
 from collector.rest.common import ApiError, whole_number
 from collector.rest.jaeger import go_duration_ns, parse_trace_id
+from harness.api_client import ApiClient, get_json
 from harness.daemons import CollectorThread
 from harness.scenario_io import scenario_requests, send
 from spikehound import cli
@@ -899,18 +900,19 @@ SILENCES = mostly(silences().map(lambda d: json.dumps(d).encode()), st.one_of(
 def silence_check(api: str, session: requests.Session) -> Callable[[bytes], str]:
     """POST a generated silence: 201 or a 400 with a reason; a created one is then read and ended."""
 
+    client = ApiClient(api, timeout=60, session=session)  # every answer held to the served document
+
     def check(body: bytes) -> str:
-        r = session.post(f"{api}/api/v1/silences", data=body, headers={"Content-Type": "application/json"},
-                         timeout=60)
+        r = client.post("/api/v1/silences", data=body, headers={"Content-Type": "application/json"})
         assert r.status_code in (201, 400), (r.status_code, r.text[:300])
         if r.status_code == 400:
             assert r.json()["error"]
             return "400"
         silence = r.json()
-        read = session.get(f"{api}/api/v1/silences/{silence['id']}", timeout=60).json()
+        read = client.get_json(f"/api/v1/silences/{silence['id']}")
         # As created; only its state may have moved on (a silence of a millisecond has expired since).
         assert read | {"state": silence["state"]} == silence, (read, silence)
-        ended = session.delete(f"{api}/api/v1/silences/{silence['id']}", timeout=60)
+        ended = client.delete(f"/api/v1/silences/{silence['id']}")
         assert ended.status_code == 200 and ended.json()["state"] == "expired", ended.text[:300]
         return "201"
 
@@ -945,5 +947,4 @@ def assert_still_ingesting(http_endpoint: str, api: str) -> None:
     r = requests.post(f"{http_endpoint}/v1/traces", data=req.SerializeToString(),
                       headers={"Content-Type": "application/x-protobuf"}, timeout=30)
     assert r.status_code == 200, r.text
-    assert requests.get(f"{api}/api/v1/traces/{trace_id.hex()}", timeout=10).json()["spans"][0]["service"] == \
-        "after-fuzzing"
+    assert get_json(f"{api}/api/v1/traces/{trace_id.hex()}")["spans"][0]["service"] == "after-fuzzing"

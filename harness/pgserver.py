@@ -10,7 +10,8 @@ the current user, who is then also the database superuser.
 
 ``fsync`` stays on so that tests which kill or restart the server see real crash recovery.
 
-Run ``python harness/pgserver.py`` to start one by hand; it prints the URL and waits for Ctrl-C.
+Run ``python -m harness.pgserver`` in the repository root to start one by hand; it prints the URL and waits
+for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +31,8 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
+
+from harness.ports import free_port
 
 HOST = "127.0.0.1"
 DEFAULT_DBNAME = "spikehound_test"
@@ -66,13 +68,6 @@ def find_pg_bin() -> Path | None:
     if initdb:
         return Path(initdb).resolve().parent
     return None
-
-
-def _free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _pid_alive(pid: int) -> bool:
@@ -287,7 +282,7 @@ class PostgresServer:
     def _create_cluster(self, timeout: float) -> None:
         uid, gid = self._owner_ids()
         self.workdir = self._make_workdir()
-        self.port = _free_port()
+        self.port = free_port()
         data, sock, log = self.workdir / "data", self.workdir / "sock", self.workdir / "postgres.log"
         if len(str(sock)) > _MAX_SOCKET_DIR_LEN:
             self._extra_socket_dir = Path(tempfile.mkdtemp(prefix="shpg-", dir="/tmp"))

@@ -37,10 +37,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from agent.enrich import machine_id
+from harness.api_client import ApiClient, get_json, wait_json
 from harness.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound import __version__
-from tests.support.api_client import get_json, wait_json
 from tests.support.sdk_traffic import SdkApp, send_spans, trace_request
 
 HOST = "gpu-node-3"
@@ -109,8 +109,9 @@ def served_span_counts(api: str, trace_ids: set[str]) -> Counter[tuple[str, str]
     """(trace id, span id) -> how often the collector's API serves it in its trace."""
     counts: Counter[tuple[str, str]] = Counter()
     with requests.Session() as session:
+        client = ApiClient(api, session=session)
         for trace_id in trace_ids:
-            r = session.get(f"{api}/api/v1/traces/{trace_id}", timeout=10)
+            r = client.get(f"/api/v1/traces/{trace_id}")
             if r.status_code == 200:
                 counts.update((trace_id, span["span_id"]) for span in r.json()["spans"])
     return counts

@@ -19,38 +19,16 @@ import orjson
 import pytest
 import requests
 
+from harness.api_client import client_of, get_json, request
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound.config import Config
-from spikehound.model import Cause, CauseKind, Spike
+from spikehound.model import Spike
 from tests.support.alert_receivers import HookReceiver, signature_ok
+from tests.support.alert_spikes import PREPROCESS, SLOW_QUERY, ended, spike
 
-S = 1_000_000_000
-MS = 1_000_000
-T0 = 1_767_225_600 * S
 PUBLIC = "https://spikehound.example.com"
 SECRET = b"webhook-signing-s3cret"
-
-SLOW_QUERY = Cause(kind=CauseKind.SPAN, score=0.96, service="preprocess", operation="SELECT features", host="gpu-1",
-                   baseline=9.8, observed=79.6, unit="ms",
-                   summary="Span SELECT features of preprocess took 79.6 ms of the critical path per slow request "
-                           "against 9.8 ms normally.")
-PREPROCESS = Cause(kind=CauseKind.SERVICE, score=0.84, service="preprocess", baseline=32.8, observed=94.3, unit="ms",
-                   summary="Service preprocess held the critical path for 94.3 ms per slow request against 32.8 ms "
-                           "normally.")
-
-
-def spike(n: int, *, service: str = "gateway", operation: str = "POST /v1/predict",
-          causes: tuple[Cause, ...] = (SLOW_QUERY, PREPROCESS)) -> Spike:
-    return Spike(id=f"{n:016x}", service=service, operation=operation, state="open", start_unix_nano=T0 + n * S,
-                 end_unix_nano=None, p99_ns=219 * MS, baseline_p99_ns=69 * MS, causes=causes,
-                 exemplar_trace_ids=(bytes.fromhex("e5bf1bc448df2524ea2e57ed82473184"),
-                                     bytes.fromhex("7405ed0e396377d8687a8585b69ac1d9")),
-                 detected_unix_nano=T0 + n * S + 15 * S)
-
-
-def ended(s: Spike) -> Spike:
-    return replace(s, state="resolved", end_unix_nano=s.start_unix_nano + 60 * S)
 
 
 def config(db_url: str, receivers: list[dict[str, Any]], **settings: Any) -> Config:
@@ -67,10 +45,8 @@ def observe(running: CollectorThread, *spikes: Spike) -> None:
 
 
 def outbox(running: CollectorThread, state: str | None = None) -> list[dict[str, Any]]:
-    params = {"state": state} if state else None
-    r = requests.get(f"{running.api}/api/v1/alerts/outbox", params=params, timeout=5)
-    r.raise_for_status()
-    return r.json()["notifications"]
+    params = {"state": state} if state else {}
+    return get_json(f"{running.api}/api/v1/alerts/outbox", **params)["notifications"]
 
 
 @pytest.fixture
@@ -285,16 +261,17 @@ def test_dead_letters_are_visible_through_the_api_and_can_be_sent_again(db_url, 
                              "the refused one")
         assert refused[0]["attempts"] == 1 and "HTTP 404" in refused[0]["last_error"]
 
-        one = requests.get(f"{running.api}/api/v1/alerts/outbox/{dead['id']}", timeout=5).json()
+        api = client_of(running.api)
+        one = api.get_json(f"/api/v1/alerts/outbox/{dead['id']}")
         assert one["body"]["status"] == "firing" and one["body"]["alerts"][0]["labels"]["service"] == "gateway"
 
         # Fixed: send it again by hand.
-        r = requests.post(f"{running.api}/api/v1/alerts/outbox/{dead['id']}/retry", timeout=5)
+        r = api.post(f"/api/v1/alerts/outbox/{dead['id']}/retry")
         assert r.status_code == 200 and r.json()["state"] == "pending"
         eventually(lambda: any(n["id"] == dead["id"] for n in outbox(running, "delivered")), "redelivery")
-        again = requests.post(f"{running.api}/api/v1/alerts/outbox/{dead['id']}/retry", timeout=5)
+        again = api.post(f"/api/v1/alerts/outbox/{dead['id']}/retry")
         assert again.status_code == 409 and "delivered" in again.json()["error"]
-        assert requests.post(f"{running.api}/api/v1/alerts/outbox/999999/retry", timeout=5).status_code == 404
+        assert api.post("/api/v1/alerts/outbox/999999/retry").status_code == 404
 
 
 def test_the_slack_url_is_never_logged_nor_shown(tmp_path, caplog):
@@ -307,7 +284,7 @@ def test_the_slack_url_is_never_logged_nor_shown(tmp_path, caplog):
         with CollectorThread(cfg) as running:
             observe(running, spike(1))
             (dead,) = eventually(lambda: outbox(running, "dead"), "a dead letter")
-            api_text = requests.get(f"{running.api}/api/v1/alerts/outbox/{dead['id']}", timeout=5).text
+            api_text = request("GET", f"{running.api}/api/v1/alerts/outbox/{dead['id']}").text
     from spikehound.config import effective, to_toml
 
     assert "TOPSECRET" not in caplog.text and "TOPSECRET" not in api_text
@@ -329,29 +306,27 @@ def test_the_slack_url_is_never_logged_nor_shown(tmp_path, caplog):
 ])
 def test_a_bad_silence_is_refused_with_the_reason(sqlite_collector, body, needle):
     data = body if isinstance(body, str) else orjson.dumps(body)
-    r = requests.post(f"{sqlite_collector.api}/api/v1/silences", data=data, timeout=5,
-                      headers={"Content-Type": "application/json"})
+    r = request("POST", f"{sqlite_collector.api}/api/v1/silences", data=data,
+                headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and needle in r.json()["error"]
 
 
 def test_silences_are_created_listed_and_ended(db_url):
     with CollectorThread(collector_config(db_url)) as running:
-        api = f"{running.api}/api/v1/silences"
-        made = requests.post(api, json={"matchers": {"service": "gateway", "cause_kind": "resource"},
-                                        "duration_seconds": 3600, "comment": "GPU swap", "created_by": "ana"},
-                             timeout=5)
+        api, silences = client_of(running.api), "/api/v1/silences"
+        made = api.post(silences, json={"matchers": {"service": "gateway", "cause_kind": "resource"},
+                                         "duration_seconds": 3600, "comment": "GPU swap", "created_by": "ana"})
         assert made.status_code == 201
         silence = made.json()
         assert silence["state"] == "active" and silence["matchers"] == {"service": "gateway", "cause_kind": "resource"}
-        assert [s["id"] for s in requests.get(api, timeout=5).json()["silences"]] == [silence["id"]]
+        assert [s["id"] for s in api.get_json(silences)["silences"]] == [silence["id"]]
 
-        gone = requests.delete(f"{api}/{silence['id']}", timeout=5)
+        gone = api.delete(f"{silences}/{silence['id']}")
         assert gone.status_code == 200 and gone.json()["state"] == "expired"
-        assert requests.get(api, timeout=5).json()["silences"] == []
-        assert [s["state"] for s in requests.get(api, params={"state": "all"}, timeout=5).json()["silences"]] == [
-            "expired"]
-        assert requests.delete(f"{api}/nope", timeout=5).status_code == 404
-        assert requests.get(f"{api}/{silence['id']}", timeout=5).json()["comment"] == "GPU swap"
+        assert api.get_json(silences)["silences"] == []
+        assert [s["state"] for s in api.get_json(silences, state="all")["silences"]] == ["expired"]
+        assert api.delete(f"{silences}/nope").status_code == 404
+        assert api.get_json(f"{silences}/{silence['id']}")["comment"] == "GPU swap"
 
 
 def test_a_flapping_spike_does_not_make_a_storm(tmp_path, hook):

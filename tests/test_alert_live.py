@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
+from harness.api_client import client_of, get_json, list_spikes
 from harness.daemons import CollectorProcess, CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
 from spikehound.scenarios.traffic import Scenario
@@ -25,7 +26,6 @@ from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.writer import WriteBatch, Writer
 from tests.support.alert_receivers import HookReceiver, Received
-from tests.support.api_client import client_of, get_json
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +43,8 @@ def _outbox(api: str, state: str | None = None) -> list[dict[str, Any]]:
 
 
 def _metric(api: str, name: str) -> float:
-    text = requests.get(f"{api}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    """The unlabelled sample ``name``; 0 while the collector does not show it yet."""
+    return sample(scrape(api), name) or 0.0
 
 
 @contextmanager
@@ -59,10 +59,6 @@ def _paged_under_silence(tmp_path: Path, hook: HookReceiver, matchers: dict[str,
         assert made.status_code == 201
         send(running.http_endpoint, scenario_requests(_scenario()))
         yield running
-
-
-def _spikes(api: str) -> list[dict[str, Any]]:
-    return get_json(f"{api}/api/v1/spikes")["spikes"]
 
 
 def _all_sent(running: CollectorThread, hook: HookReceiver) -> Received:
@@ -91,7 +87,7 @@ def test_a_silence_on_a_service_the_spike_only_moved_lets_it_page_then_resolve(t
                                                                             {"service": "preprocess"}) as running:
         events = hook.wait_events(2, timeout=60)
         canary = _all_sent(running, hook)
-        spikes = _spikes(running.api)
+        spikes = list_spikes(running.api)
 
     # One fault, one spike, one alert: its firing message and its resolve notice (then the canary's page).
     (spike,) = spikes
@@ -110,7 +106,7 @@ def test_a_silence_on_a_service_the_spike_only_moved_lets_it_page_then_resolve(t
 def test_a_silence_on_the_service_of_its_cause_suppresses_it(tmp_path: Path):
     with HookReceiver(secret=SECRET.encode()) as hook, _paged_under_silence(tmp_path, hook,
                                                                             {"cause_service": "preprocess"}) as running:
-        spikes = eventually(lambda: [s for s in _spikes(running.api) if s["state"] == "resolved"],
+        spikes = eventually(lambda: [s for s in list_spikes(running.api) if s["state"] == "resolved"],
                             "the spike to resolve")
         silenced = eventually(lambda: running.metric(
             "spikehound_alert_spikes_total", outcome="silenced", route="pager"), "the silence to be counted")

@@ -18,39 +18,11 @@ import pytest
 from collector.alerts.routing import GroupState, Router
 from collector.alerts.silences import Silence
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
-from spikehound.model import AffectedStream, Cause, CauseKind, Spike
+from spikehound.model import AffectedStream, CauseKind
 from spikehound.model_json import spike_json
+from tests.support.alert_spikes import GPU_DROP, MS, NETWORK, SLOW_QUERY, T0, S, ended, spike, spike_id
 
 ROOT = Path(__file__).resolve().parents[1]
-
-S = 1_000_000_000
-MS = 1_000_000
-T0 = 1_767_225_600 * S  # event time of the first spike
-
-SLOW_QUERY = Cause(kind=CauseKind.SPAN, score=0.9, service="preprocess", operation="SELECT features", host="gpu-1",
-                   baseline=9.8, observed=79.6, unit="ms",
-                   summary="Span SELECT features of preprocess took 79.6 ms of the critical path per slow request "
-                           "against 9.8 ms normally.")
-GPU_DROP = Cause(kind=CauseKind.RESOURCE, score=0.6, service="model-server", operation="forward", host="gpu-2",
-                 resource="hw.gpu.utilization", baseline=70.0, observed=25.0, unit="%",
-                 summary="GPU utilization (GPU-2) fell from 70 % to 25 % on gpu-2, which served the slow forward.")
-NETWORK = Cause(kind=CauseKind.NETWORK, score=0.8, service="model-server", operation="POST /infer",
-                peer_service="gateway", summary="The hop gateway -> model-server took 60 ms more.")
-
-
-def spike(n: int, *, state: str = "open", service: str = "gateway", operation: str = "POST /v1/predict",
-          start_s: float = 0, end_s: float | None = None, p99_ms: float = 220, baseline_ms: float = 70,
-          causes: tuple[Cause, ...] = (SLOW_QUERY,), detected_s: float | None = None) -> Spike:
-    start = T0 + int(start_s * S)
-    return Spike(id=f"spike-{n}", service=service, operation=operation, state=state, start_unix_nano=start,
-                 end_unix_nano=None if end_s is None else T0 + int(end_s * S), p99_ns=int(p99_ms * MS),
-                 baseline_p99_ns=int(baseline_ms * MS), causes=causes, exemplar_trace_ids=(bytes(15) + b"\x01",),
-                 detected_unix_nano=start + int((detected_s if detected_s is not None else 15) * S))
-
-
-def ended(s: Spike, end_s: float) -> Spike:
-    return replace(s, state="resolved", end_unix_nano=T0 + int(end_s * S))
-
 
 class Clock:
     def __init__(self) -> None:
@@ -97,7 +69,7 @@ def test_a_flapping_stream_pages_once_and_resolves_once(clock):
     clock.tick(120)
     messages += sent(router)
 
-    assert messages == [("oncall", "firing", ("spike-0",)), ("oncall", "resolved", ("spike-9",))]
+    assert messages == [("oncall", "firing", (spike_id(0),)), ("oncall", "resolved", (spike_id(9),))]
 
 
 def test_without_a_resolve_wait_every_flap_is_two_messages(clock):
@@ -118,18 +90,18 @@ def test_without_a_resolve_wait_every_flap_is_two_messages(clock):
 def test_streams_are_grouped_by_service_and_top_cause(clock):
     router = Router(config(RouteConfig(receiver="oncall", group_interval_seconds=300)), clock=clock)
     router.observe([spike(1)])
-    assert sent(router) == [("oncall", "firing", ("spike-1",))]
+    assert sent(router) == [("oncall", "firing", (spike_id(1),))]
 
     # Another operation of the same service, slowed by the same query: same group, told at the group interval.
     clock.tick(30)
     router.observe([spike(2, operation="GET /v1/models")])
     assert sent(router) == []
     clock.tick(270)
-    assert sent(router) == [("oncall", "firing", ("spike-1", "spike-2"))]
+    assert sent(router) == [("oncall", "firing", (spike_id(1), spike_id(2)))]
 
     # The same service slowed by something else is another group, told at once.
     router.observe([spike(3, operation="POST /v1/embed", causes=(NETWORK,))])
-    assert sent(router) == [("oncall", "firing", ("spike-3",))]
+    assert sent(router) == [("oncall", "firing", (spike_id(3),))]
 
 
 def test_the_group_key_keeps_the_first_top_cause_while_causes_are_re_ranked(clock):
@@ -152,14 +124,14 @@ def test_minimum_severity_and_duration(clock):
     clock.tick(120)
     assert sent(router) == []
     router.observe([replace(mild, p99_ns=200 * MS)])  # it grew to 2.9x, and has lasted long enough
-    assert sent(router) == [("oncall", "firing", ("spike-1",))]
+    assert sent(router) == [("oncall", "firing", (spike_id(1),))]
 
     # 15 s old when detected: announced once it has lasted 60 s, i.e. 45 s later.
     router.observe([spike(2, service="model-server", detected_s=15)])
     clock.tick(44)
     assert sent(router) == []
     clock.tick(1)
-    assert sent(router) == [("oncall", "firing", ("spike-2",))]
+    assert sent(router) == [("oncall", "firing", (spike_id(2),))]
 
     # One that ends sooner is never announced, and counted.
     short = spike(3, service="postprocess")
@@ -175,14 +147,14 @@ def test_latency_high_while_gpu_utilization_is_low_goes_to_its_own_route(clock):
                       min_cause_score=0.2)
     router = Router(config(gpu, RouteConfig(receiver="oncall")), clock=clock)
     router.observe([spike(1, causes=(SLOW_QUERY, GPU_DROP)), spike(2, service="model-server")])
-    assert sorted(sent(router)) == [("gpu-team", "firing", ("spike-1",)), ("oncall", "firing", ("spike-2",))]
+    assert sorted(sent(router)) == [("gpu-team", "firing", (spike_id(1),)), ("oncall", "firing", (spike_id(2),))]
 
 
 def test_continue_matching_sends_to_the_next_route_too(clock):
     first = RouteConfig(receiver="gpu-team", cause_kinds=["resource"], continue_matching=True)
     router = Router(config(first, RouteConfig(receiver="oncall")), clock=clock)
     router.observe([spike(1, causes=(GPU_DROP,))])
-    assert sorted(sent(router)) == [("gpu-team", "firing", ("spike-1",)), ("oncall", "firing", ("spike-1",))]
+    assert sorted(sent(router)) == [("gpu-team", "firing", (spike_id(1),)), ("oncall", "firing", (spike_id(1),))]
 
 
 def test_routes_match_service_and_operation_patterns(clock):
@@ -190,7 +162,7 @@ def test_routes_match_service_and_operation_patterns(clock):
     router.observe([spike(1, service="model-server", operation="POST /infer"),
                     spike(2, service="model-server", operation="GET /health"),
                     spike(3, service="gateway", operation="POST /v1/predict")])
-    assert sent(router) == [("models", "firing", ("spike-1",))]
+    assert sent(router) == [("models", "firing", (spike_id(1),))]
     assert router.counts["routed", "models"] == 1
 
 
@@ -208,11 +180,11 @@ def test_a_firing_group_is_repeated_at_the_repeat_interval(clock):
 def test_the_rate_limit_holds_notifications_and_sends_the_latest_state_later(clock):
     router = Router(config(RouteConfig(receiver="oncall", max_per_hour=2)), clock=clock)
     router.observe([spike(n, service=f"svc-{n}") for n in range(4)])
-    assert [m[2] for m in sent(router)] == [("spike-0",), ("spike-1",)]
+    assert [m[2] for m in sent(router)] == [(spike_id(0),), (spike_id(1),)]
     assert sent(router) == []
     assert router.counts["rate_limited", "oncall"] == 2
     clock.tick(3600)
-    assert [m[2] for m in sent(router)] == [("spike-2",), ("spike-3",)]
+    assert [m[2] for m in sent(router)] == [(spike_id(2),), (spike_id(3),)]
 
 
 def test_a_silence_suppresses_the_alert_and_its_resolve(clock):
@@ -222,15 +194,15 @@ def test_a_silence_suppresses_the_alert_and_its_resolve(clock):
     router.set_silences([silence])
     muted, other = spike(1), spike(2, service="model-server")
     router.observe([muted, other])
-    assert sent(router) == [("oncall", "firing", ("spike-2",))]
+    assert sent(router) == [("oncall", "firing", (spike_id(2),))]
     router.observe([ended(muted, 60), ended(other, 60)])
-    assert sent(router) == [("oncall", "resolved", ("spike-2",))]
+    assert sent(router) == [("oncall", "resolved", (spike_id(2),))]
     assert router.counts["silenced", "oncall"] == 1
 
     # Once the silence has expired, the next spike on the stream pages again.
     clock.tick(3600)
     router.observe([spike(3, start_s=4000)])
-    assert sent(router) == [("oncall", "firing", ("spike-3",))]
+    assert sent(router) == [("oncall", "firing", (spike_id(3),))]
 
 
 def test_a_silence_made_after_the_page_holds_back_the_resolve_until_it_ends(clock):
@@ -270,7 +242,7 @@ def test_saved_state_continues_without_a_second_page(clock):
     # A new process: the saved groups, then the stored state of the spikes it held open.
     again = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
     again.restore(saved)
-    assert again.open_spike_ids() == {"spike-1"}
+    assert again.open_spike_ids() == {spike_id(1)}
     again.observe([s])
     assert sent(again) == []
     again.observe([ended(s, 100)])

@@ -16,13 +16,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from collector.rest import jaeger
 from collector.rest.app import build_app
 from collector.web.routes import is_web_path
+from harness.api_client import ApiClient
 from harness.daemons import CollectorThread, collector_config
 from spikehound.model import AffectedStream, Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.writer import WriteBatch, Writer
-from tests.support.api_client import ApiClient
 
 
 def one_span_request(service: str = "svc") -> tuple[ExportTraceServiceRequest, str]:
@@ -152,7 +152,7 @@ def test_tokens_guard_api_and_otlp(tmp_path: Path):
 
 
 def test_the_api_client_holds_answers_to_the_served_document(sqlite_collector: CollectorThread):
-    """tests/support/api_client.py itself: an answer unlike the document, or of an unlisted status, fails."""
+    """harness/api_client.py itself: an answer unlike the document, or of an unlisted status, fails."""
     api = ApiClient(sqlite_collector.api)
     wrong = requests.Response()
     wrong.status_code, wrong.headers["Content-Type"] = 200, "application/json"

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
+from harness.api_client import get_json
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from tests.support.otlp_requests import JSON, PROTOBUF, assert_still_serving, post, request, span
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -180,7 +181,7 @@ def test_one_bad_span_is_rejected_and_the_rest_stored(collector: CollectorThread
     assert response.partial_success.rejected_spans == 1
     assert "span 2 (inverted): end time 10 is before start time 20" in response.partial_success.error_message
     assert rejected_spans(collector) == 1
-    stored = requests.get(f"{collector.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]
+    stored = get_json(f"{collector.api}/api/v1/traces/{trace_id.hex()}")["spans"]
     assert sorted(s["span_id"] for s in stored) == sorted(s["span_id"].hex() for s in good)
     assert collector.metric("spikehound_ingest_stored_total", signal="spans") == 4
 
@@ -193,7 +194,7 @@ def test_gzip_protobuf_and_json_are_accepted(sqlite_collector: CollectorThread):
     assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
     r = post(sqlite_collector, gzip.compress(otlp_json(request(second))), JSON, encoding="gzip")
     assert r.status_code == 200, r.content
-    spans = requests.get(f"{sqlite_collector.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]
+    spans = get_json(f"{sqlite_collector.api}/api/v1/traces/{trace_id.hex()}")["spans"]
     assert sorted(s["name"] for s in spans) == ["zipped-json", "zipped-protobuf"]
 
 
@@ -260,9 +261,8 @@ def test_a_sender_hanging_up_mid_upload_is_counted_without_a_traceback(sqlite_co
         with _raw_post(sqlite_collector, head, part):
             pass  # closed with most of the body unsent
     aborted = "spikehound_ingest_aborted_requests_total"
-    deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
-    while sqlite_collector.metric(aborted, protocol="http") < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: sqlite_collector.metric(aborted, protocol="http") >= 2, "both aborted uploads counted",
+               every=0.05)
     assert sqlite_collector.metric(aborted, protocol="http") == 2
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
     assert_still_serving(sqlite_collector)

@@ -16,7 +16,6 @@ import time
 
 import grpc
 import pytest
-import requests
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
@@ -27,6 +26,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
 from detectors.batching import BatchRequest, analyze_batching, batch_requests
+from harness.api_client import ApiClient
 from harness.daemons import CollectorThread, collector_config
 from spikehound.model import Span, StatusCode
 from spikehound.model import SpanKind as ModelKind
@@ -96,10 +96,8 @@ def experiment(tmp_path_factory: pytest.TempPathFactory):
 
 
 def batching(collector: CollectorThread, since: int, until: int, **params: str) -> dict:
-    r = requests.get(f"{collector.api}/api/v1/analyze/batching", timeout=60,
-                     params={"service": "model-server", "since": unix(since), "until": unix(until), **params})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return ApiClient(collector.api, timeout=60).get_json(
+        "/api/v1/analyze/batching", service="model-server", since=unix(since), until=unix(until), **params)
 
 
 @pytest.mark.parametrize(("target_ms", "sweet_spot"), [(30, "8"), (50, "16")])

@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from detectors.engine import CHECKPOINT_FORMAT, DetectionEngine
 from detectors.settings import DetectionSettings
 from harness.daemons import CollectorThread, collector_config
+from harness.waiting import eventually
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 from spikehound.otlp import encode_points, encode_spans
 from storage import checkpoints
@@ -48,12 +49,8 @@ def _closed_windows_move(collector: CollectorThread) -> bool:
     now = time.time_ns()
     for second in range(60, 0, -1):
         _post(collector, [_span(now - second * NS)])
-    deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
-    while time.monotonic() < deadline:
-        if collector.metric("spikehound_latency_windows_closed_total") > before:
-            return True
-        time.sleep(0.2)
-    return False
+    return eventually(lambda: collector.metric("spikehound_latency_windows_closed_total") > before,
+                      "a latency window to close", every=0.2)
 
 
 def test_a_span_from_a_wrong_clock_is_refused_counted_and_changes_nothing(tmp_path: Path):

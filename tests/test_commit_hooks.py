@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from collector.commit_hooks import CommitHooks
+from harness.api_client import get_json
 from harness.daemons import CollectorThread
 from harness.waiting import eventually
 from storage.writer import WriteBatch
@@ -66,7 +67,7 @@ def test_the_sender_of_a_batch_a_hook_failed_on_gets_its_success_and_its_spans_a
     assert c.metric("spikehound_storage_write_errors_total") == 0
     assert requests.get(f"{c.api}/readyz", timeout=5).status_code == 200
     for trace_id in trace_ids:
-        spans = requests.get(f"{c.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]
+        spans = get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]
         assert len(spans) == 1
     logged = [r for r in caplog.records if r.exc_info]
     assert len(logged) == 1  # one traceback per kind, not one per batch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,45 +20,18 @@ import requests
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from harness.api_client import ApiClient
 from harness.daemons import CollectorProcess
 from harness.waiting import eventually
+from tests.support.sdk_traffic import Recording
 
 # CollectorProcess.start leaves its log file to the garbage collector; the fixture collects it under this filter.
 pytestmark = pytest.mark.slow
 
 MIN_ACKED = 400
-
-
-class AckRecorder(SpanExporter):
-    """Wraps the real exporter and keeps the (trace id, span id) of every span the collector acknowledged."""
-
-    def __init__(self, inner: OTLPSpanExporter) -> None:
-        self.inner = inner
-        self._lock = threading.Lock()
-        self._acked: set[tuple[str, str]] = set()
-        self.on_ack: Callable[[int], None] | None = None  # called right after a success, with the count so far
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        result = self.inner.export(spans)
-        with self._lock:
-            if result is SpanExportResult.SUCCESS:
-                self._acked.update((format(s.context.trace_id, "032x"), format(s.context.span_id, "016x"))
-                                   for s in spans)
-            count = len(self._acked)
-        if result is SpanExportResult.SUCCESS and self.on_ack is not None:
-            self.on_ack(count)
-        return result
-
-    @property
-    def acked(self) -> set[tuple[str, str]]:
-        with self._lock:
-            return set(self._acked)
-
-    def shutdown(self) -> None:
-        pass  # SdkTraffic.stop shuts the real exporter down first
 
 
 class SdkTraffic:
@@ -67,7 +40,7 @@ class SdkTraffic:
     def __init__(self, grpc_endpoint: str, service: str) -> None:
         # A short timeout: with the collector gone an export gives up in about 2 s instead of retrying for long.
         self.exporter = OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True, timeout=2)
-        self.recorder = AckRecorder(self.exporter)
+        self.recorder = Recording(self.exporter, owns_inner=False)  # stop() shuts the real exporter down first
         self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "crash-host"}))
         self.provider.add_span_processor(BatchSpanProcessor(self.recorder, max_export_batch_size=256,
                                                             schedule_delay_millis=50))
@@ -113,8 +86,9 @@ def assert_all_stored(api: str, acked: set[tuple[str, str]]) -> None:
         by_trace.setdefault(trace_id, set()).add(span_id)
     missing = 0
     with requests.Session() as session:
+        client = ApiClient(api, session=session)
         for trace_id, span_ids in by_trace.items():
-            r = session.get(f"{api}/api/v1/traces/{trace_id}", timeout=10)
+            r = client.get(f"/api/v1/traces/{trace_id}")
             stored = {s["span_id"] for s in r.json()["spans"]} if r.status_code == 200 else set()
             missing += len(span_ids - stored)
     assert missing == 0, f"{missing} of {len(acked)} acknowledged spans are not in the database"

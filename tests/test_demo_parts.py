@@ -85,14 +85,8 @@ def test_the_delay_proxy_passes_bytes_through_and_holds_them_while_its_fault_is_
                               "--upstream", f"127.0.0.1:{upstream_port}", "--control", f"127.0.0.1:{control}",
                               "--delay-ms", "300"])
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                requests.get(f"http://127.0.0.1:{control}/healthz", timeout=1)
-                break
-            except requests.ConnectionError:
-                assert time.monotonic() < deadline, "the proxy did not come up"
-                time.sleep(0.1)
+        eventually(lambda: requests.get(f"http://127.0.0.1:{control}/healthz", timeout=1), "the proxy to come up",
+                   timeout=30)
         with requests.Session() as session:  # one kept-alive connection through the proxy, as the gateway has
             assert session.get(f"http://127.0.0.1:{listen}/", timeout=5).text == "ok"
             assert requests.post(f"http://127.0.0.1:{control}/fault", json={"on": True}, timeout=5).json()["fault"]

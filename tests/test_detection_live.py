@@ -11,21 +11,21 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from collector.ingest_queue import IngestQueue
 from collector.pipeline import IngestPipeline
 from collector.retention import RetentionRunner
 from collector.telemetry import CollectorTelemetry
 from collector.writer_thread import WriterThread
+from harness.api_client import list_spikes
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, detection_settled
 from harness.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
@@ -34,7 +34,6 @@ from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.retention import Retention
 from storage.writer import WriteBatch, Writer
-from tests.support.api_client import get_json
 
 pytestmark = pytest.mark.slow
 
@@ -44,20 +43,32 @@ def _scenario() -> Scenario:
     return Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
 
 
-def _spikes(api: str) -> list[dict[str, Any]]:
-    return get_json(f"{api}/api/v1/spikes")["spikes"]
+def _spikes_when(collector: CollectorProcess, ready: Callable[[list[dict[str, Any]]], bool], what: str
+                 ) -> list[dict[str, Any]]:
+    """The spikes once ``ready`` accepts them; a failure shows the end of the collector's log."""
+    def check() -> tuple[list[dict[str, Any]]] | None:  # in a tuple: an empty list can be the answer
+        spikes = list_spikes(collector.api)
+        return (spikes,) if ready(spikes) else None
+
+    try:
+        (spikes,) = eventually(check, what, every=0.25)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the collector's log ends:\n{collector.log_tail()}") from exc
+    return spikes
 
 
 def _settled(api: str, metric: Callable[[str], float], timeout: float = 60) -> list[dict[str, Any]]:
     """The spikes once the collector has closed, judged and written every window (``metric`` reads a sample)."""
     eventually(lambda: detection_settled(metric), "the collector to judge every window", timeout=timeout,
                every=0.25)
-    return _spikes(api)
+    return list_spikes(api)
 
 
 def _metric(api: str, name: str) -> float:
-    text = requests.get(f"{api}/metrics", timeout=10).text
-    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+    """The unlabelled sample ``name``, which the collector must show."""
+    value = sample(scrape(api), name)
+    assert value is not None, f"{api}/metrics shows no unlabelled {name}"
+    return value
 
 
 def _essence(spike: dict[str, Any]) -> tuple[Any, ...]:
@@ -124,11 +135,9 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
-        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
-        while not any(s["state"] == "open" for s in _spikes(collector.api)):
-            assert time.monotonic() < deadline, f"no spike opened before the restart: {collector.log_tail()}"
-            time.sleep(0.25)
-        before = {(s["service"], s["operation"]): s for s in _spikes(collector.api)}
+        _spikes_when(collector, lambda spikes: any(s["state"] == "open" for s in spikes),
+                     "a spike to open before the restart")
+        before = {(s["service"], s["operation"]): s for s in list_spikes(collector.api)}
         assert collector.terminate() == 0
 
         collector.start()
@@ -165,24 +174,19 @@ def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_c
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
-        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
-        while not [s for s in _spikes(collector.api) if s["state"] == "open"]:
-            assert time.monotonic() < deadline, f"no spike opened before the kill: {collector.log_tail()}"
-            time.sleep(0.25)
+        _spikes_when(collector, lambda spikes: any(s["state"] == "open" for s in spikes),
+                     "a spike to open before the kill")
         collector.kill()
 
         collector.start()
         assert "start fresh: no checkpoint" in collector.log_text()
         assert "not in the detectors' checkpoint" in collector.log_text()
-        orphans = {s["id"]: s for s in _spikes(collector.api) if s["state"] == "open"}
+        orphans = {s["id"]: s for s in list_spikes(collector.api) if s["state"] == "open"}
         assert orphans, "the orphaned spike was closed before event time passed it"
         send(collector.http_endpoint, bodies[cut:])
-        deadline = time.monotonic() + 60
-        after = _spikes(collector.api)
-        while any(s["state"] == "open" for s in after if s["id"] in orphans):
-            assert time.monotonic() < deadline, f"the orphaned spike stayed open: {collector.log_tail()}"
-            time.sleep(0.25)
-            after = _spikes(collector.api)
+        after = _spikes_when(collector, lambda spikes: not any(s["state"] == "open" for s in spikes
+                                                               if s["id"] in orphans),
+                             "the orphaned spike to be closed")
     finally:
         collector.kill()
     closed = {s["id"]: s for s in after}

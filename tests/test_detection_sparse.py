@@ -24,7 +24,8 @@ TARGET = "ts-assurance-service"  # reached by about one user request in eleven: 
 
 
 def _spikes(timeline: MeshTimeline, tmp_path: Path, timeout: float = 60) -> list[dict[str, Any]]:
-    """Send the timeline; the spikes once the collector has closed every window (the count stopped moving)."""
+    """Send the timeline; the spikes once detection has settled: no window open and every judged window written
+    (``harness.daemons.detection_settled``)."""
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'db.sqlite'}")) as collector:
         send(collector.http_endpoint, scenario_requests(timeline))
         return collector.spikes_once_settled(timeout, done=lambda _: True)

@@ -202,8 +202,8 @@ def test_process_started_later_is_found_at_the_next_rescan(busy_child: tuple[sub
     assert not pick(sampler.sample(), "process.memory.usage")
     late = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {late_token}"])
     try:
-        time.sleep(0.2)
-        assert one(sampler.sample(), "process.memory.usage").attributes["process.pid"] == late.pid
+        found = eventually(lambda: one(sampler.sample(), "process.memory.usage"), "the late process found", 30)
+        assert found.attributes["process.pid"] == late.pid
     finally:
         late.kill()
         late.wait()

@@ -19,24 +19,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from harness.api_client import get_json, wait_json
 from harness.daemons import CollectorThread
-from tests.support.api_client import get_json, wait_json
-
-
-class Recording(SpanExporter):
-    """Wraps the real exporter and remembers what the SDK handed it."""
-
-    def __init__(self, inner: SpanExporter) -> None:
-        self.inner = inner
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans):
-        result = self.inner.export(spans)
-        self.spans.extend(spans)
-        return result
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
+from tests.support.sdk_traffic import Recording
 
 
 def send_inference_traces(exporter: SpanExporter, service: str, n: int = 5) -> list[ReadableSpan]:
@@ -133,8 +118,7 @@ def test_sdk_metrics_are_host_samples(collector: CollectorThread):
                                                                                      "gpu.index": 1})]])
     sent = meter.create_counter("system.network.io", unit="By")
     sent.add(1500, {"network.io.direction": "transmit", "network.interface.name": "eth0"})
-    time.sleep(0.5)
-    provider.shutdown()
+    provider.shutdown()  # exports what was recorded
     body = wait_json(f"{collector.api}/api/v1/metrics", lambda b: len(b["series"]) == 2, host="gpu-host-7",
                      name="hw.gpu.utilization")
     values = {s["attributes"]["hw.id"]: {p["value"] for p in s["points"]} for s in body["series"]}

@@ -31,6 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from sqlalchemy import create_engine, func, select
 
 from detectors.trace_buffer import TraceBuffer
+from harness.api_client import ApiClient, get_json
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound.model import Span, SpanKind, StatusCode
@@ -94,9 +95,7 @@ def export(c: CollectorThread, req: ExportTraceServiceRequest, protocol: str) ->
 
 
 def trace_spans(c: CollectorThread, trace_id: bytes) -> list[dict[str, Any]]:
-    r = requests.get(f"{c.api}/api/v1/traces/{trace_id.hex()}", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["spans"]
+    return ApiClient(c.api, timeout=30).get_json(f"/api/v1/traces/{trace_id.hex()}")["spans"]
 
 
 def truncated(c: CollectorThread, field: str, signal: str = "spans") -> float:
@@ -158,7 +157,7 @@ def test_megabyte_names_and_values_are_cut_everywhere_and_counted(limited: Colle
 
     # Storage keeps the request as cut, not the 2 MiB that came in.
     assert stored_payload_bytes(db_url) < 64 * 1024
-    services = requests.get(f"{limited.api}/api/v1/services", timeout=10).json()["services"]
+    services = get_json(f"{limited.api}/api/v1/services")["services"]
     assert [s["service"] for s in services] == [long_service[:255]]
     assert long_name[:NAME_LIMIT] in services[0]["operations"]
     assert max(len(op) for s in services for op in s["operations"]) <= NAME_LIMIT
@@ -195,8 +194,7 @@ def test_metric_samples_are_cut_too(sqlite_collector: CollectorThread):
         dp.attributes.add(key=f"extra.{i:03d}").value.int_value = i
     assert post(c, req.SerializeToString(), "/v1/metrics").status_code == 200
 
-    series = requests.get(f"{c.api}/api/v1/metrics", params={"host": host[:255], "name": "hw.gpu.utilization"},
-                          timeout=10).json()["series"]
+    series = get_json(f"{c.api}/api/v1/metrics", host=host[:255], name="hw.gpu.utilization")["series"]
     assert len(series) == 1
     assert len(series[0]["attributes"]) == ATTRIBUTE_LIMIT
     assert len(series[0]["attributes"]["hw.id"]) == VALUE_LIMIT

@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from harness.daemons import CollectorProcess, free_port
+from harness.waiting import eventually
 from tests.support.cli import spikehound, unix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,15 +44,13 @@ def start_service(version: str, otlp: str, log: Path) -> tuple[subprocess.Popen[
         proc = subprocess.Popen([sys.executable, str(EXAMPLE / "inference_service.py"), "--port", str(port),
                                  "--otlp", otlp, "--version", version], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"service {version} did not start: {log.read_text()}")
+    try:
+        eventually(lambda: requests.get(f"{url}/healthz", timeout=1).status_code == 200,
+                   f"service {version} to answer /healthz", timeout=30)
+    except AssertionError as exc:
+        proc.kill()
+        raise RuntimeError(f"service {version} did not start: {log.read_text()}") from exc
+    return proc, url
 
 
 def locust_counts(prefix: Path) -> tuple[int, int]:

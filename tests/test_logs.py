@@ -15,6 +15,7 @@ import pytest
 import requests
 from sqlalchemy.engine import make_url
 
+from harness.api_client import ApiClient
 from harness.daemons import free_port
 from harness.waiting import eventually
 from spikehound import logs
@@ -121,14 +122,12 @@ def test_the_collector_never_logs_its_tokens_or_database_password(tmp_path, pg_u
     proc, api, stderr = run_collector(tmp_path, db_url, "--log-level", "debug",
                                       env={**SECRETS, "SPIKEHOUND_LOG_FILE": str(log_file)})
     try:
-        base = f"http://127.0.0.1:{api}"
-        assert requests.get(f"{base}/api/v1/services", timeout=5).status_code == 401
-        assert requests.get(f"{base}/api/v1/services", timeout=5,
-                            headers={"Authorization": "Bearer wrong-" + SECRETS["SPIKEHOUND_COLLECTOR_API_TOKEN"]}
-                            ).status_code == 401
-        ok = requests.get(f"{base}/api/v1/services", timeout=5,
-                          headers={"Authorization": f"Bearer {SECRETS['SPIKEHOUND_COLLECTOR_API_TOKEN']}"})
-        assert ok.status_code == 200
+        token = SECRETS["SPIKEHOUND_COLLECTOR_API_TOKEN"]
+        client = ApiClient(f"http://127.0.0.1:{api}", headers={"Authorization": f"Bearer {token}"})
+        assert client.request("GET", "/api/v1/services", headers={"Authorization": None}).status_code == 401
+        assert client.request("GET", "/api/v1/services",
+                              headers={"Authorization": f"Bearer wrong-{token}"}).status_code == 401
+        assert client.get("/api/v1/services").status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

@@ -23,9 +23,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.daemons import CollectorProcess
+from harness.scrape import scrape
 
 QUEUE_CAPACITY = 600
 SPANS_PER_REQUEST = 512
@@ -126,12 +126,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-def scrape(api: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = requests.get(f"{api}/metrics", timeout=5).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.fixture

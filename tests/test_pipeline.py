@@ -9,10 +9,10 @@ model; the p99 request spends most of it in preprocessing.
 from __future__ import annotations
 
 import pytest
-import requests
 
 from detectors.breakdown import pipeline_breakdown
 from detectors.path_time import Stage
+from harness.api_client import ApiClient
 from harness.daemons import CollectorThread
 from tests.support.cli import spikehound, unix
 from tests.support.serving_stack import Latency, VersionedStack, drive
@@ -28,10 +28,9 @@ def tail_heavy(sqlite_collector: CollectorThread) -> tuple[CollectorThread, int,
 
 def test_preprocessing_dominates_the_p99_breakdown_but_not_the_median(tail_heavy):
     collector, since, until = tail_heavy
-    r = requests.get(f"{collector.api}/api/v1/analyze/pipeline", timeout=60, params={
-        "service": "gateway", "since": unix(since), "until": unix(until)})
-    assert r.status_code == 200, r.text
-    (op,) = r.json()["operations"]
+    body = ApiClient(collector.api, timeout=60).get_json(
+        "/api/v1/analyze/pipeline", service="gateway", since=unix(since), until=unix(until))
+    (op,) = body["operations"]
     assert (op["operation"], op["requests"]) == ("POST /v1/predict", 600)
     stages = {s["label"]: s for s in op["stages"]}
     pre, forward = stages["preprocess: preprocess"], stages["model-server: forward"]

@@ -14,6 +14,7 @@ import pytest
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from harness.api_client import get_json
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
 from tests.support.otlp_requests import assert_still_serving, post, request, span
@@ -61,7 +62,7 @@ def test_a_trace_that_is_its_own_ancestor_is_stored_and_detection_goes_on(quick_
     assert (answer.rejected_spans, answer.error_message) == (1, "span 4 (selfish): parent_span_id is the span's own id")
     wait_for_windows(c, 0)  # the entry's window was named by walking the cycle, and closed
 
-    spans = requests.get(f"{c.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]
+    spans = get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]
     names = sorted(s["name"] for s in spans)  # of two spans with one id, the trace shows one
     assert names in (["GET", "loop-a", "loop-b"], ["GET", "loop-b", "loop-root"])
     assert c.metric("spikehound_detector_errors_total", part="detectors") == 0
@@ -83,7 +84,7 @@ def test_a_request_that_fans_out_to_ten_thousand_calls_is_named_by_a_few(quick_c
     assert r.status_code == 200, r.content
     wait_for_windows(c, 0)
 
-    points = requests.get(f"{c.api}/api/v1/latency", timeout=10, params={"service": "bad-input-svc"}).json()
+    points = get_json(f"{c.api}/api/v1/latency", service="bad-input-svc")
     names = {p["operation"] for p in points["points"]}
     assert "GET -> call-0, call-1, call-10, call-11 (+60)" in names  # 64 callees read, four shown
     assert c.metric("spikehound_detector_errors_total", part="detectors") == 0
@@ -112,7 +113,7 @@ def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(quick
     assert len(tracebacks) == 1 and "spikehound_detector_errors_total" in tracebacks[0].getMessage()
     assert tracebacks[0].getMessage().startswith("the detectors failed on a batch (stored anyway)")
     for trace_id in (first, second):
-        assert len(requests.get(f"{c.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]) == 1
+        assert len(get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]) == 1
 
     del engine.add  # the bug is gone: the class's own add again
     closed = c.metric("spikehound_latency_windows_closed_total")
@@ -134,7 +135,7 @@ def test_a_failing_commit_hook_costs_its_own_figures_only(quick_collector: Colle
     caplog.set_level(logging.ERROR, logger="collector.pipeline")
     trace_id = os.urandom(16)
     assert post(c, request(span(trace_id)).SerializeToString()).status_code == 200
-    assert len(requests.get(f"{c.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]) == 1
+    assert len(get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]) == 1
     assert c.metric("spikehound_detector_errors_total", part="metrics") >= 1
     assert c.metric("spikehound_detector_errors_total", part="detectors") == 0
     assert [r.getMessage().split(" failed")[0] for r in caplog.records if r.exc_info] == [

@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from collector.span_metrics import DURATION_BUCKETS_MS
 from detectors.windows import nearest_rank
 from harness.daemons import AgentProcess, CollectorThread, collector_config
+from harness.scrape import scrape_text
+from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
 from storage.engine import make_engine
 from storage.writer import WriteBatch, Writer
@@ -178,14 +180,9 @@ def test_histogram_quantile_over_span_metrics_is_within_one_bucket_of_the_true_p
 
 def test_every_rule_evaluates_and_the_p99_high_gpu_low_alert_is_raised(stack):
     prometheus = stack.prometheus
-    deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
-    alerts: list[dict] = []
-    while time.monotonic() < deadline:
-        alerts = [a for a in prometheus.api("alerts")["alerts"]
-                  if a["labels"]["alertname"] == "SpikehoundP99HighGpuLow"]
-        if alerts:
-            break
-        time.sleep(0.5)
+    alerts = eventually(lambda: [a for a in prometheus.api("alerts")["alerts"]
+                                 if a["labels"]["alertname"] == "SpikehoundP99HighGpuLow"],
+                        "Prometheus to raise SpikehoundP99HighGpuLow", every=0.5)
     assert [(a["labels"]["service"], a["labels"]["host"]) for a in alerts] == [(SERVICE, HOST)], alerts
     assert alerts[0]["state"] in ("pending", "firing")  # pending: the rule waits 2 minutes before it fires
     assert float(alerts[0]["value"]) > 0.5
@@ -223,8 +220,7 @@ def _exported(*urls: str) -> set[str]:
     """Every series name the daemons' /metrics declare (a labelled counter is declared before it counts)."""
     names = set()
     for url in urls:
-        text = requests.get(f"{url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(scrape_text(url)):
             names |= {s.name for s in family.samples}
             names |= {family.name + suffix for suffix in SUFFIXES.get(family.type, ())}
     return names

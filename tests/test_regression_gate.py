@@ -15,10 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
+from harness.api_client import ApiClient, request
 from harness.daemons import CollectorProcess, CollectorThread
-from tests.support.api_client import ApiClient
 from tests.support.cli import NS, spikehound, unix
 from tests.support.serving_stack import Latency, VersionedStack, drive
 
@@ -91,9 +90,9 @@ def test_identical_versions_pass_in_at_least_19_of_20_seeded_runs(gate: Collecto
     for run in range(20):
         since, until = drive([VersionedStack(gate.grpc_endpoint, f"a-{run}", seed=1000 + run),
                               VersionedStack(gate.grpc_endpoint, f"c-{run}", seed=2000 + run)], 400)
-        body = requests.get(f"{gate.api}/api/v1/compare", timeout=60, params={
-            "baseline": f"a-{run}", "candidate": f"c-{run}", "since": unix(since), "until": unix(until),
-            "seed": str(run)}).json()
+        body = ApiClient(gate.api, timeout=60).get_json(
+            "/api/v1/compare", baseline=f"a-{run}", candidate=f"c-{run}", since=unix(since), until=unix(until),
+            seed=str(run))
         assert [op["judged"] for op in body["operations"]] == [True, True, True]
         exits.append(body["exit_code"])
     assert exits.count(0) >= 19, exits
@@ -132,7 +131,7 @@ def test_when_compare_cannot_run_it_exits_3_with_the_reason(gate: CollectorProce
     ("baseline=1700000100..1700000000&candidate=2.0", "start must be before its end"),
 ])
 def test_bad_compare_requests_say_what_is_wrong(gate: CollectorProcess, query: str, needle: str):
-    r = requests.get(f"{gate.api}/api/v1/compare?{query}", timeout=10)
+    r = request("GET", f"{gate.api}/api/v1/compare?{query}")
     assert r.status_code == 400 and needle in r.json()["error"]
 
 
@@ -140,9 +139,9 @@ def test_compare_by_time_window_on_each_database(collector: CollectorThread):
     """Before and after a deploy of the same label, chosen by time window; SQLite and PostgreSQL."""
     before = drive([VersionedStack(collector.grpc_endpoint, "same", seed=7)], 300, start_ns=time.time_ns() - 10 * NS)
     after = drive([VersionedStack(collector.grpc_endpoint, "same", seed=8, latency=SLOWER)], 300, start_ns=before[1])
-    body = requests.get(f"{collector.api}/api/v1/compare", timeout=60, params={
-        "baseline": f"{unix(before[0])}..{unix(before[1])}", "candidate": f"{unix(after[0])}..{unix(after[1])}"}
-                        ).json()
+    body = ApiClient(collector.api, timeout=60).get_json(
+        "/api/v1/compare", baseline=f"{unix(before[0])}..{unix(before[1])}",
+        candidate=f"{unix(after[0])}..{unix(after[1])}")
     assert body["exit_code"] == 1, body["message"]
     gateway = next(op for op in body["operations"] if op["service"] == "gateway")
     assert gateway["baseline"]["count"] == gateway["candidate"]["count"] == 300

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness.api_client import request
 from harness.daemons import CollectorThread, collector_config
 
 OLDEST = "1677-09-21T00:12:44Z"  # a second after the first time a signed 64-bit nanosecond count holds
@@ -83,7 +84,7 @@ def test_the_edges_of_what_storage_holds_are_still_answered(sqlite_collector: Co
 
 
 def test_a_silence_past_what_storage_holds_is_refused(sqlite_collector: CollectorThread):
-    r = requests.post(f"{sqlite_collector.api}/api/v1/silences", timeout=5, json={
+    r = request("POST", f"{sqlite_collector.api}/api/v1/silences", json={
         "matchers": {"service": "gateway"}, "starts_at": "2262-04-01T00:00:00Z", "duration_seconds": 86400 * 365})
     assert r.status_code == 400 and "ends_at" in r.json()["error"]
 

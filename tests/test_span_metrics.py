@@ -11,12 +11,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import requests
 from opentelemetry import trace
-from prometheus_client.parser import text_string_to_metric_families
 
 from collector.span_metrics import SpanMetrics
 from harness.daemons import CollectorThread, collector_config
+from harness.scrape import Samples, parse, sample, scrape, scrape_text
 from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
 from storage.engine import make_engine
@@ -25,24 +24,10 @@ from tests.support.otel_send import MS, sample_provider, send_durations, timed_s
 
 CONNECTOR_LES = ["2", "4", "6", "8", "10", "50", "100", "200", "400", "800", "1000", "1400", "2000", "5000",
                  "10000", "15000", "+Inf"]
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(api: str) -> tuple[str, Samples]:
-    text = requests.get(f"{api}/metrics", timeout=10).text
-    samples = {(s.name, frozenset(s.labels.items())): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
-    return text, samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
-
-
 def wait_metric(api: str, name: str, expected: float, timeout: float = 60, **labels: str) -> Samples:
     def reached() -> Samples:
-        _, samples = scrape(api)
-        seen = value(samples, name, **labels)
+        samples = scrape(api)
+        seen = sample(samples, name, **labels)
         assert seen == expected, f"{name}{labels} is {seen}, expected {expected}"  # chained to the timeout
         return samples
 
@@ -68,7 +53,8 @@ def test_spans_become_the_spanmetrics_connector_series(sqlite_collector):
     server = {"service_name": "llm-gateway", "span_name": "POST /v1/chat", "span_kind": "SPAN_KIND_SERVER",
               "status_code": "STATUS_CODE_UNSET"}
     samples = wait_metric(api, "traces_span_metrics_calls_total", 7, **server)
-    text, samples = scrape(api)
+    text = scrape_text(api)
+    samples = parse(text)
     assert "# TYPE traces_span_metrics_calls_total counter" in text
     assert "# TYPE traces_span_metrics_duration_milliseconds histogram" in text
 
@@ -78,23 +64,23 @@ def test_spans_become_the_spanmetrics_connector_series(sqlite_collector):
     assert list(buckets) == CONNECTOR_LES  # the connector's default bounds, written as Go writes them
     assert [buckets[le] for le in ("2", "4", "8", "50", "100", "200", "1000", "15000", "+Inf")] == \
         [1, 2, 3, 4, 4, 5, 6, 6, 7]
-    assert value(samples, "traces_span_metrics_duration_milliseconds_count", **server) == 7
-    assert value(samples, "traces_span_metrics_duration_milliseconds_sum", **server) == pytest.approx(
+    assert sample(samples, "traces_span_metrics_duration_milliseconds_count", **server) == 7
+    assert sample(samples, "traces_span_metrics_duration_milliseconds_sum", **server) == pytest.approx(
         sum(durations_ms))
 
     client = {"service_name": "llm-gateway", "span_name": "GET /features", "span_kind": "SPAN_KIND_CLIENT",
               "status_code": "STATUS_CODE_ERROR"}
-    assert value(samples, "traces_span_metrics_calls_total", **client) == 2
-    assert value(samples, "traces_span_metrics_duration_milliseconds_sum", **client) == pytest.approx(5 + 12)
+    assert sample(samples, "traces_span_metrics_calls_total", **client) == 2
+    assert sample(samples, "traces_span_metrics_duration_milliseconds_sum", **client) == pytest.approx(5 + 12)
     internal = {"service_name": "llm-gateway", "span_name": "tokenize", "span_kind": "SPAN_KIND_INTERNAL",
                 "status_code": "STATUS_CODE_OK"}
-    assert value(samples, "traces_span_metrics_calls_total", **internal) == 1
+    assert sample(samples, "traces_span_metrics_calls_total", **internal) == 1
 
     # The seed's histogram: entry spans only, in seconds, per service, operation and host.
     entry = {"service": "llm-gateway", "operation": "POST /v1/chat", "host": "gpu-host-3"}
-    assert value(samples, "model_inference_latency_seconds_count", **entry) == 7
-    assert value(samples, "model_inference_latency_seconds_sum", **entry) == pytest.approx(sum(durations_ms) / 1e3)
-    assert value(samples, "model_inference_latency_seconds_bucket", le="0.1", **entry) == 4
+    assert sample(samples, "model_inference_latency_seconds_count", **entry) == 7
+    assert sample(samples, "model_inference_latency_seconds_sum", **entry) == pytest.approx(sum(durations_ms) / 1e3)
+    assert sample(samples, "model_inference_latency_seconds_bucket", le="0.1", **entry) == 4
     assert not [k for k in samples if k[0].startswith("model_inference") and ("operation", "GET /features") in k[1]]
 
 
@@ -113,11 +99,11 @@ def test_series_beyond_the_limit_are_aggregated_into_the_overflow_series_and_cou
     named = [v for (name, labels), v in samples.items()
              if name == "traces_span_metrics_calls_total" and ("service_name", "router") in labels]
     assert sorted(named) == [2, 2, 2]
-    assert value(samples, "traces_span_metrics_calls_total", otel_metric_overflow="true") == 14
-    assert value(samples, "traces_span_metrics_duration_milliseconds_bucket", otel_metric_overflow="true",
+    assert sample(samples, "traces_span_metrics_calls_total", otel_metric_overflow="true") == 14
+    assert sample(samples, "traces_span_metrics_duration_milliseconds_bucket", otel_metric_overflow="true",
                  le="4") == 14
-    assert value(samples, "spikehound_span_metrics_overflow_spans_total", set="model_inference") == 14
-    assert value(samples, "model_inference_latency_seconds_count", otel_metric_overflow="true") == 14
+    assert sample(samples, "spikehound_span_metrics_overflow_spans_total", set="model_inference") == 14
+    assert sample(samples, "model_inference_latency_seconds_count", otel_metric_overflow="true") == 14
 
 
 def test_span_metrics_can_be_switched_off(tmp_path):
@@ -148,12 +134,12 @@ def test_resource_samples_appear_under_the_seed_names(sqlite_collector):
                               interface="eth0", direction="receive")
     finally:
         provider.shutdown()
-    assert value(samples, "gpu_utilization_percentage", host="gpu-host-9", gpu="0", gpu_uuid="GPU-aaaa") == \
+    assert sample(samples, "gpu_utilization_percentage", host="gpu-host-9", gpu="0", gpu_uuid="GPU-aaaa") == \
         pytest.approx(12.0)
-    assert value(samples, "gpu_utilization_percentage", host="gpu-host-9", gpu="1", gpu_uuid="GPU-bbbb") == \
+    assert sample(samples, "gpu_utilization_percentage", host="gpu-host-9", gpu="1", gpu_uuid="GPU-bbbb") == \
         pytest.approx(93.0)
     assert len([k for k in samples if k[0] == "gpu_utilization_percentage"]) == 2  # the decoder engine is not it
-    assert value(samples, "network_io_bytes_total", host="gpu-host-9", interface="eth0", direction="transmit") >= 1000
+    assert sample(samples, "network_io_bytes_total", host="gpu-host-9", interface="eth0", direction="transmit") >= 1000
 
 
 def _spike(spike_id: str, service: str, state: str, causes: tuple[Cause, ...]) -> Spike:
@@ -175,13 +161,13 @@ def test_spike_state_is_read_from_storage(collector, db_url):
                                                 _spike("s3", "rerank", "open", ())]))
     finally:
         engine.dispose()
-    _, samples = scrape(collector.api)
-    assert value(samples, "spikehound_open_spikes", service="llm") == 1
-    assert value(samples, "spikehound_open_spikes", service="rerank") == 1
-    assert value(samples, "spikehound_spikes_opened_total", cause_kind="resource") == 1
-    assert value(samples, "spikehound_spikes_opened_total", cause_kind="network") == 1
-    assert value(samples, "spikehound_spikes_opened_total", cause_kind="none") == 1
-    assert value(samples, "spikehound_spike_metrics_errors_total") == 0
+    samples = scrape(collector.api)
+    assert sample(samples, "spikehound_open_spikes", service="llm") == 1
+    assert sample(samples, "spikehound_open_spikes", service="rerank") == 1
+    assert sample(samples, "spikehound_spikes_opened_total", cause_kind="resource") == 1
+    assert sample(samples, "spikehound_spikes_opened_total", cause_kind="network") == 1
+    assert sample(samples, "spikehound_spikes_opened_total", cause_kind="none") == 1
+    assert sample(samples, "spikehound_spike_metrics_errors_total") == 0
 
 
 def test_a_batch_the_span_metrics_cannot_read_is_counted_not_raised(caplog):

@@ -29,7 +29,7 @@ from storage.retention import RetentionResult, expire
 from storage.schema import metadata, span_blocks
 from storage.trace_search import TraceQuery
 from storage.writer import SpanBlock, WriteBatch, Writer
-from tests.support.query_plans import FULL_SCAN
+from tests.support.query_plans import FULL_SCAN, plan_of
 from tests.support.storage_data import FOREVER, MS, NOW, SPIKES, T0, S, causes, make_span, point, sid, tid, window
 
 DAY_S = 86_400
@@ -596,14 +596,7 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
 def test_every_api_query_is_served_by_an_index(planned, query):
     reader, statements = planned
     call, required = QUERIES[query]
-    statements.clear()
-    assert call(reader)  # the data set answers every query, so every statement behind it ran
-    plan = []
-    with reader.engine.connect() as conn:
-        for statement, parameters in list(statements):
-            rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters).all()
-            plan += [row[-1] for row in rows]
-    text = "\n".join(plan)
+    text = plan_of(reader.engine, statements, lambda: call(reader))
 
     assert not FULL_SCAN.search(text), f"{query} reads a whole table:\n{text}"
     for fragment in required:

@@ -16,14 +16,14 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-import requests
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.spool import DiskSpool
 from detectors.engine import DetectionEngine
 from detectors.settings import DetectionSettings
+from harness.api_client import get_json, request
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, free_port
+from harness.scrape import scrape
 from harness.waiting import eventually
 from storage import checkpoints
 from storage.engine import make_engine
@@ -191,12 +191,6 @@ def test_sighup_reloads_the_agents_log_level_without_dropping_data(tmp_path, not
         eventually(lambda: stored() >= acked, "every acknowledged span stored", 30)  # ... and lost nothing
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = requests.get(f"{url}/metrics", timeout=5).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_taking_data(tmp_path, notify):
     db, config = tmp_path / "spikehound.db", tmp_path / "collector.toml"
     write_config(config, "[storage]\nspan_retention_max_bytes = 0\n")
@@ -219,7 +213,7 @@ def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_takin
         notify.wait_for("READY", "1")
         deleted = ("spikehound_retention_deleted_total", (("reason", "size"), ("table", "spans")))
         eventually(lambda: scrape(collector.api).get(deleted) == 18, "six blocks of three spans deleted", 30)
-        kept = [requests.get(f"{collector.api}/api/v1/traces/{t}", timeout=5).status_code == 200 for t in traces]
+        kept = [request("GET", f"{collector.api}/api/v1/traces/{t}").status_code == 200 for t in traces]
         assert kept == [False] * 6 + [True] * 4  # oldest arrivals first
         assert scrape(collector.api)[("spikehound_storage_span_payload_bytes", ())] == cap
         log = collector.log_text()
@@ -240,7 +234,7 @@ def test_sighup_applies_new_retention_caps_at_once_and_the_collector_keeps_takin
         assert len(acked) > 10 and not app.recording.failed
         served = set()
         for trace_id in {t for t, _ in acked}:
-            body = requests.get(f"{collector.api}/api/v1/traces/{trace_id}", timeout=5).json()
+            body = get_json(f"{collector.api}/api/v1/traces/{trace_id}")
             served |= {(s["trace_id"], s["span_id"]) for s in body["spans"]}
         assert served == acked  # nothing lost while reloading
         assert collector.terminate(60) == 0

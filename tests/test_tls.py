@@ -27,6 +27,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
 from collector.daemon import Collector
+from harness.api_client import ApiClient
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound.config import Config, ConfigError, load
@@ -141,10 +142,11 @@ def test_sdk_exporters_send_over_mtls_and_the_api_answers_over_https(pki, mtls):
     assert stored_spans(mtls) - before == 12
 
     api = mtls.collector.api_port  # TLS without client certificates: people, Prometheus and the CLI use the token
-    services = requests.get(https(api, "/api/v1/services"), verify=pki.ca, timeout=10).json()["services"]
+    client = ApiClient(https(api), verify=pki.ca)
+    services = client.get_json("/api/v1/services")["services"]
     assert {"tls-grpc", "tls-http"} <= {s["service"] for s in services}
     trace_id = next(iter(sent[0].acked))[0]
-    assert len(requests.get(https(api, f"/api/v1/traces/{trace_id}"), verify=pki.ca, timeout=10).json()["spans"]) == 3
+    assert len(client.get_json(f"/api/v1/traces/{trace_id}")["spans"]) == 3
     assert "# TYPE spikehound_ingest_stored_total counter" in requests.get(https(api, "/metrics"), verify=pki.ca,
                                                                           timeout=10).text
 
@@ -228,7 +230,9 @@ def api_mtls(pki: Pki, tmp_path: Path) -> Iterator[CollectorThread]:
 
 def test_the_api_requires_client_certificates_when_configured(pki, api_mtls):
     url = https(api_mtls.collector.api_port, "/api/v1/services")
-    assert requests.get(url, verify=pki.ca, cert=(str(pki.client_cert), str(pki.client_key)), timeout=10).ok
+    client = ApiClient(https(api_mtls.collector.api_port), verify=pki.ca,
+                       cert=(str(pki.client_cert), str(pki.client_key)))
+    assert client.get("/api/v1/services").ok
     for cert in (None, (str(pki.rogue_cert), str(pki.rogue_key))):
         with pytest.raises(requests.exceptions.ConnectionError):
             requests.get(url, verify=pki.ca, cert=cert, timeout=10)

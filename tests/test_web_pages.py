@@ -23,13 +23,14 @@ import requests
 from collector.web import session
 from collector.web.routes import STATIC
 from collector.web.waterfall import layout
+from harness.api_client import ApiClient, get_json, request, wait_json
 from harness.daemons import CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.long_trace import long_trace
 from spikehound.scenarios.traffic import NS
-from tests.support.query_plans import FULL_SCAN
+from tests.support.query_plans import FULL_SCAN, plan_of
 from tests.support.storage_data import T0
 from tests.support.web_scenarios import (
     EVIL_ATTRIBUTE,
@@ -82,8 +83,8 @@ def test_the_overview_lists_every_stream_with_its_newest_percentiles(site: Colle
     page = get(site.api, "/ui/")
     assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
     rows = rows_of(page.text, "streams")
-    latency = requests.get(f"{site.api}/api/v1/latency", params={"service": "gateway", "operation": "POST /v1/predict",
-                                                                  "since": "0"}, timeout=10).json()["points"]
+    latency = get_json(f"{site.api}/api/v1/latency", service="gateway", operation="POST /v1/predict",
+                       since="0")["points"]
     newest = latency[-1]
     gateway = next(r for r in rows if r.startswith("gateway POST /v1/predict"))
     # The newest window's p99 as the page writes it (one decimal under 100 ms), and a request rate.
@@ -94,7 +95,7 @@ def test_the_overview_lists_every_stream_with_its_newest_percentiles(site: Colle
 
 def test_the_spike_list_filters_by_service_state_and_time(site: CollectorThread, data: SpikeData):
     everything = rows_of(get(site.api, "/ui/spikes").text, "spikes")
-    assert len(everything) == len(requests.get(f"{site.api}/api/v1/spikes", timeout=10).json()["spikes"]) >= 2
+    assert len(everything) == len(get_json(f"{site.api}/api/v1/spikes")["spikes"]) >= 2
 
     # A service finds the spikes that moved one of its streams: the slow query's, led by the gateway.
     preprocess = rows_of(get(site.api, "/ui/spikes?service=preprocess").text, "spikes")
@@ -189,7 +190,7 @@ def test_pages_forbid_inline_script_and_framing(site: CollectorThread):
         assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
         assert headers["X-Content-Type-Options"] == "nosniff"
     assert get(site.api, "/ui/").headers["Cache-Control"] == "no-store"
-    assert "Content-Security-Policy" not in get(site.api, "/api/v1/spikes").headers  # JSON stays as it was
+    assert "Content-Security-Policy" not in request("GET", f"{site.api}/api/v1/spikes").headers  # JSON as it was
 
 
 def test_every_asset_is_served_by_the_collector(site: CollectorThread):
@@ -234,7 +235,8 @@ def test_with_a_token_the_pages_need_it_too(guarded: CollectorThread, data: Spik
     jar = {session.COOKIE: traded.cookies[session.COOKIE]}
     assert get(guarded.api, page, cookies=jar).status_code == 200
     # The cookie opens the pages, not the API; the API's bearer token opens both.
-    assert get(guarded.api, "/api/v1/spikes", cookies=jar).status_code == 401
+    bearer = ApiClient(guarded.api, headers={"Authorization": f"Bearer {TOKEN}"})  # the document needs the token
+    assert bearer.request("GET", "/api/v1/spikes", cookies=jar, headers={"Authorization": None}).status_code == 401
     assert get(guarded.api, page, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
     # A cookie made up without the token, or an old one, is refused.
     forged = session.issue("another-token", now=time.time())
@@ -273,13 +275,7 @@ def test_the_pages_queries_are_served_by_indexes(planned):  # planned: tests/con
             (lambda: reader.host_series("gpu-1", ["hw.gpu.utilization"], T0, T0 + 3600 * 10**9),
              ["SEARCH metric_series USING INDEX", "(host=? AND name=?)",
               "SEARCH metric_points USING INDEX", "(series_id=? AND t_ns>? AND t_ns<?)"])):
-        statements.clear()
-        assert call()
-        plan = []
-        with reader.engine.connect() as conn:
-            for statement, parameters in list(statements):
-                plan += [row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)]
-        text = "\n".join(plan)
+        text = plan_of(reader.engine, statements, call)
         assert not FULL_SCAN.search(text), text
         for fragment in required:
             assert fragment in text, f"expected {fragment!r} in the plan:\n{text}"
@@ -337,10 +333,7 @@ def test_an_open_spike_comes_first_on_the_overview(tmp_path: Path):
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'open.db'}")) as collector:
         # Up to 25 s into the fault: the spike is open by then (one window plus the lateness).
         send(collector.http_endpoint, scenario_requests(sc)[:2 * (int(sc.onset_s) + 25)])
-        deadline = time.monotonic() + 60  # a positive condition: waiting longer costs nothing when it holds
-        while not requests.get(f"{collector.api}/api/v1/spikes?state=open", timeout=10).json()["spikes"]:
-            assert time.monotonic() < deadline, "no spike opened"
-            time.sleep(0.25)
+        wait_json(f"{collector.api}/api/v1/spikes", lambda body: body["spikes"], what="a spike to open", state="open")
         page = get(collector.api, "/ui/").text
     open_section = page.split("<h2>Streams now</h2>")[0]
     assert "No spike is open" not in open_section and "GPU utilization (GPU-2) fell" in html.unescape(open_section)

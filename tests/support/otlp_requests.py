@@ -9,6 +9,7 @@ from typing import Any
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from harness.api_client import get_json
 from harness.daemons import CollectorThread
 
 PROTOBUF = "application/x-protobuf"
@@ -45,5 +46,5 @@ def assert_still_serving(c: CollectorThread) -> None:
     trace_id = os.urandom(16)
     r = post(c, request(span(trace_id, name="after-bad-input")).SerializeToString())
     assert r.status_code == 200, r.content
-    spans = requests.get(f"{c.api}/api/v1/traces/{trace_id.hex()}", timeout=5).json()["spans"]
+    spans = get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]
     assert [s["name"] for s in spans] == ["after-bad-input"]

@@ -10,7 +10,6 @@ import math
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +59,21 @@ class PrometheusServer:
              f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if requests.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"prometheus not ready in {timeout} s: {self.log_tail()}")
+        proc = self.proc
+
+        def state() -> str | None:  # "exited" ends the wait too: a server that died is not waited for
+            if proc.poll() is not None:
+                return "exited"
+            return "ready" if requests.get(f"{self.url}/-/ready", timeout=1).status_code == 200 else None
+
+        try:
+            ended = eventually(state, "prometheus to be ready", timeout, every=0.2)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"prometheus not ready in {timeout} s: {self.log_tail()}") from None
+        if ended == "exited":
+            raise RuntimeError(f"prometheus exited with {proc.returncode}: {self.log_tail()}")
+        return self
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
@@ -22,20 +22,30 @@ def hex_key(span: ReadableSpan) -> tuple[str, str]:
 
 
 class Recording(SpanExporter):
-    """Wraps a real exporter; remembers which spans the receiver acknowledged and which exports failed."""
+    """Wraps a real exporter; remembers every span the SDK handed it, which the receiver acknowledged and
+    which exports failed.
 
-    def __init__(self, inner: SpanExporter) -> None:
+    ``on_ack``, when set, is called right after each successful export with the count acknowledged so far;
+    ``owns_inner=False`` leaves shutting the real exporter down to its owner.
+    """
+
+    def __init__(self, inner: SpanExporter, *, owns_inner: bool = True) -> None:
         self.inner = inner
+        self.owns_inner = owns_inner
         self._lock = threading.Lock()
         self._acked: set[tuple[str, str]] = set()
         self._failed: set[tuple[str, str]] = set()
         self.spans: list[ReadableSpan] = []
+        self.on_ack: Callable[[int], None] | None = None
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         result = self.inner.export(spans)
         with self._lock:
             (self._acked if result is SpanExportResult.SUCCESS else self._failed).update(hex_key(s) for s in spans)
             self.spans.extend(spans)
+            count = len(self._acked)
+        if result is SpanExportResult.SUCCESS and self.on_ack is not None:
+            self.on_ack(count)
         return result
 
     @property
@@ -49,7 +59,8 @@ class Recording(SpanExporter):
             return set(self._failed)
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        if self.owns_inner:
+            self.inner.shutdown()
 
 
 def send_spans(exporter: SpanExporter, resource: dict[str, str], n: int = 4) -> Recording:

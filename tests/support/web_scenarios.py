@@ -84,7 +84,8 @@ def spike_database() -> SpikeData:
 
 
 def _settled(collector: CollectorThread, timeout: float = 60) -> list[dict[str, Any]]:
-    """The spikes once every window is closed and every spike resolved (the windows counter stopped)."""
+    """The spikes once detection has settled (no window open, every judged window written:
+    ``harness.daemons.detection_settled``) and every spike is resolved."""
     return collector.spikes_once_settled(timeout, done=lambda spikes: bool(spikes) and all(
         s["state"] == "resolved" for s in spikes))
 

@@ -35,15 +35,25 @@ UNVALIDATED: dict[tuple[str, str], str] = {}
 class ApiClient:
     """GETs (and other requests) to one collector's API, each answer checked against its served document."""
 
-    def __init__(self, base_url: str, *, headers: Mapping[str, str] | None = None, timeout: float = 10) -> None:
+    def __init__(self, base_url: str, *, headers: Mapping[str, str] | None = None, timeout: float = 10,
+                 session: requests.Session | None = None, **defaults: Any) -> None:
+        """``session`` sends every request (its connection pool, cookies, ``trust_env``), by default a fresh
+        connection each; ``defaults`` go with every request, the document's too (``verify=`` a CA file,
+        ``cert=`` a client certificate)."""
         self.base_url = base_url.rstrip("/")
         self.headers = dict(headers or {})
         self.timeout = timeout
+        self.session = session
+        self.defaults = defaults
+
+    def _send(self, method: str, url: str, **kwargs: Any) -> requests.Response:
+        kwargs = {**self.defaults, "timeout": self.timeout, **kwargs}
+        return (self.session or requests).request(method, url, **kwargs)
 
     @functools.cached_property
     def document(self) -> dict[str, Any]:
         """The OpenAPI document this collector serves (fetched once)."""
-        r = requests.get(self.base_url + DOCUMENT_PATH, headers=self.headers, timeout=self.timeout)
+        r = self._send("GET", self.base_url + DOCUMENT_PATH, headers=self.headers)
         r.raise_for_status()
         return r.json()
 
@@ -52,16 +62,24 @@ class ApiClient:
         return Registry().with_resource(DOCUMENT_URI, Resource(contents=self.document, specification=DRAFT202012))
 
     def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        """Send ``method path`` (``kwargs`` as for ``requests.request``) and check the answer: see ``validate``."""
-        kwargs.setdefault("timeout", self.timeout)
+        """Send ``method path`` (``kwargs`` as for ``requests.request``: a raw ``data`` body, ``headers`` over
+        the client's, ``params``) and check the answer, whatever its status: see ``validate``."""
         kwargs["headers"] = {**self.headers, **kwargs.get("headers", {})}
-        response = requests.request(method, self.base_url + path, **kwargs)
+        response = self._send(method, self.base_url + path, **kwargs)
         self.validate(method, path, response)
         return response
 
     def get(self, path: str, **params: Any) -> requests.Response:
         """GET ``path`` with query ``params``, the answer checked whatever its status."""
         return self.request("GET", path, params=params or None)
+
+    def post(self, path: str, **kwargs: Any) -> requests.Response:
+        """POST ``path`` (``json=``, or ``data=`` with ``headers=``), the answer checked whatever its status."""
+        return self.request("POST", path, **kwargs)
+
+    def delete(self, path: str, **kwargs: Any) -> requests.Response:
+        """DELETE ``path``, the answer checked whatever its status."""
+        return self.request("DELETE", path, **kwargs)
 
     def get_json(self, path: str, expect: int = 200, **params: Any) -> Any:
         """The JSON body of GET ``path`` with query ``params``, which must answer ``expect`` as documented."""
@@ -158,3 +176,14 @@ def wait_json(url: str, ready: Callable[[Any], Any], timeout: float = 60, *, wha
     """``ApiClient.wait_json`` by full URL."""
     client, path = _split(url)
     return client.wait_json(path, ready, timeout, what=what, **params)
+
+
+def request(method: str, url: str, **kwargs: Any) -> requests.Response:
+    """``ApiClient.request`` by full URL: any status, the answer checked against the document."""
+    client, path = _split(url)
+    return client.request(method, path, **kwargs)
+
+
+def list_spikes(api: str, **params: Any) -> list[dict[str, Any]]:
+    """The spikes ``GET /api/v1/spikes`` lists (``params``: its query) of the collector at ``api``."""
+    return get_json(f"{api}/api/v1/spikes", **params)["spikes"]
