@@ -292,6 +292,6 @@ def test_a_saved_group_that_no_longer_reads_is_dropped_and_the_rest_restore(cloc
     again = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
     again.restore([("damaged", route, orjson.dumps(doc).decode()), ("torn", route, state[:40]), (gid, route, state)])
 
-    assert set(again.groups) == {gid} and again.open_spike_ids() == {"spike-1"}
+    assert set(again.groups) == {gid} and again.open_spike_ids() == {spike_id(1)}
     assert again.evaluate().removed == {"damaged", "torn"}  # deleted from storage, not read again at each start
     assert caplog.text.count("its saved state does not read") == 2
