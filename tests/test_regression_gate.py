@@ -157,4 +157,5 @@ def test_answers_match_the_openapi_document(gate: CollectorProcess):
             ("/api/v1/profile", {"select": "doc-a"}),
             ("/api/v1/analyze/pipeline", {"service": "gateway", "select": "doc-b"}),
             ("/api/v1/analyze/batching", {"service": "model-server", "p99_target": "50"})):
-        api.get_json(path, **params, **window_params)
+        body = api.get_json(path, **params, **window_params)  # raises unless 200 and valid against the schema
+        assert body, f"{path} answered an empty document"
