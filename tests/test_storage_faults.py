@@ -41,7 +41,7 @@ from tests.support.ci import IN_CI
 from tests.support.sdk_traffic import SdkApp, trace_request
 from tests.support.served import agent_idle, assert_served_once, grpc_export, http_export, served_span_counts
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+pytestmark = pytest.mark.slow
 
 ROOT = "POST /v1/generate"  # SdkApp's root span: a SERVER span, so one entry stream per service
 UNAVAILABLE_LINE = "storage unavailable"
@@ -147,6 +147,7 @@ def assert_each_request_counted_once(api: str, app: SdkApp, service: str) -> Non
 # --- 1: PostgreSQL restarted under load ---------------------------------------------------------
 
 
+@pytest.mark.postgres
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_postgresql_restarted_under_load_loses_and_duplicates_nothing(pg: PostgresServer, pg_db: str, mode: str):
     with CollectorThread(collector_config(pg_db)) as c:
@@ -179,6 +180,7 @@ def test_postgresql_restarted_under_load_loses_and_duplicates_nothing(pg: Postgr
 OUTAGE_SECONDS = 4.0
 
 
+@pytest.mark.postgres
 def test_postgresql_away_under_load_through_an_agent(pg: PostgresServer, pg_db: str, tmp_path: Path, daemons):
     c = daemons(CollectorProcess(pg_db, tmp_path, env=DETECTION_ENV)).start()
     agent = daemons(agent_for(c.grpc_endpoint, tmp_path)).start()
@@ -307,6 +309,7 @@ def test_full_disk_under_sqlite_refuses_writes_keeps_serving_reads_and_recovers(
 # --- 4: the collector SIGKILLed under load, senders going through an agent ------------------------
 
 
+@pytest.mark.postgres
 def test_sigkill_under_load_through_an_agent_serves_everything_once_and_counts_each_request_once(
         pg_db: str, tmp_path: Path, daemons):
     c = daemons(CollectorProcess(pg_db, tmp_path, env=DETECTION_ENV)).start()
@@ -339,6 +342,7 @@ def test_sigkill_under_load_through_an_agent_serves_everything_once_and_counts_e
 # --- 5: a read while PostgreSQL is down -------------------------------------------------------------
 
 
+@pytest.mark.postgres
 def test_a_read_while_postgresql_is_down_answers_503_with_a_json_error(pg: PostgresServer, pg_db: str):
     with CollectorThread(collector_config(pg_db)) as c:
         payload, trace_id = trace_request("read-app", spans=3)
