@@ -249,11 +249,10 @@ def test_full_disk_under_sqlite_refuses_writes_keeps_serving_reads_and_recovers(
     c = daemons(CollectorProcess(f"sqlite:///{db}", tmp_path)).start()
     assert c.proc is not None
     acked: Counter[str] = Counter()  # trace id -> spans acknowledged
-    session = requests.Session()
 
     def send() -> requests.Response:
         payload, trace_id = trace_request("disk-app", spans=20, padding=300)
-        r = http_export(c.http_endpoint, payload, session)
+        r = http_export(c.http_endpoint, payload)
         if r.status_code == 200:
             acked[trace_id.hex()] += 20
         return r
@@ -291,7 +290,6 @@ def test_full_disk_under_sqlite_refuses_writes_keeps_serving_reads_and_recovers(
     wait_ready(c.api)
     for _ in range(5):
         assert send().status_code == 200
-    session.close()
 
     served = served_span_counts(c.api, acked)
     assert Counter(trace_id for trace_id, _ in served.elements()) == acked  # every acknowledged request, once
