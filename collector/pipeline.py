@@ -335,8 +335,9 @@ class IngestPipeline:
 
     def _storage_wrote(self) -> None:
         if self.health.succeeded():
-            self._freed_for_episode = False
             self.storage_returned()
+        if not self.health.episode:
+            self._freed_for_episode = False
 
     def storage_returned(self) -> None:
         """Storage takes writes again after an outage (called once per episode, on the event loop)."""
@@ -361,6 +362,7 @@ class IngestPipeline:
     async def _tick(self) -> None:
         """With no input: let the watermark catch up, write what the detectors closed, run retention."""
         c = self.cfg.collector
+        self.health.settle()
         if not self.health.available:
             # No data reaches the detectors meanwhile (the senders hold it): event time must not move on idle.
             if self.health.kind == "disk_full" and not self._freed_for_episode:

@@ -5,8 +5,10 @@ request, and ``/readyz`` reads ``describe``. While storage is away (PostgreSQL r
 full disk, any write error) senders are refused at once with a retry delay, except the requests that arrive
 once the next attempt is due: their data is the attempt, so the collector learns that storage is back from a
 real write of real data. One line is logged when an episode starts and one when it ends, never one per
-request or retry; other writers (alerting, retention, checkpoints) report their failures through ``note``,
-which stays quiet about what the episode's line already said.
+request or retry. A nearly full disk takes some writes and refuses the next: an episode ends only once
+writes have gone through for ``SETTLE_SECONDS``, and a failure before that continues it (senders are let in
+again at the first good write all the same). Other writers (alerting, retention, checkpoints) report their
+failures through ``note``, which stays quiet about what the episode's line already said.
 
 >>> health = StorageHealth(clock=lambda: 100.0)
 >>> health.available, health.admit()
@@ -32,6 +34,7 @@ log = logging.getLogger("spikehound.collector.storage")
 
 # 0.25, 0.5, 1, then 2 s between attempts: a database that returns is used again within 2 s.
 RETRY = Backoff(initial=0.25, most=2.0)
+SETTLE_SECONDS = 5.0  # writes succeed this long before an episode is over
 KINDS = ("unreachable", "disk_full", "error")
 KIND_WORDS = {"unreachable": "the database cannot be reached", "disk_full": "the disk is full",
               "error": "writes fail"}
@@ -96,10 +99,12 @@ class StorageHealth:
         self.telemetry = telemetry  # None: not exported (a part's own view, in tests)
         self.clock = clock
         self.retry = retry
-        self.available = True
+        self.available = True  # the last write went through: senders are let in, /readyz is ready
+        self.episode = False  # from the first failed write until writes have succeeded for SETTLE_SECONDS
         self.kind = ""  # of the current episode
         self.error = ""  # its last error, as first_line() says it
-        self.since = clock()  # when the current state began
+        self.since = clock()  # when the current episode began
+        self.returned_at = self.since  # when its first write went through again
         self.failures = 0  # attempts failed in this episode
         self.refused = 0  # requests refused in this episode
         self._next_attempt = -math.inf
@@ -129,14 +134,18 @@ class StorageHealth:
         delay = self.retry.step(self.failures)
         self._next_attempt = now + delay
         kind = classify(exc)
-        if self.available:
-            self.available, self.kind, self.since, self.refused = False, kind, now, 0
+        if not self.episode:
+            self.available, self.episode, self.kind, self.since, self.refused = False, True, kind, now, 0
             self._noted.clear()
             self._export(available=0, outage=kind)
             log.error("storage unavailable (%s: %s): %s; senders are told to retry (gRPC UNAVAILABLE, HTTP 503 "
                       "with Retry-After), /readyz answers 503, and a write is tried again every %.0f s at most",
                       kind, KIND_WORDS[kind], self.error, self.retry.most)
-        elif kind != self.kind:
+            return delay
+        if self.available:  # it came back for a moment (a disk with a little room): the same episode goes on
+            self.available = False
+            self._export(available=0)
+        if kind != self.kind:
             self.kind = kind
             log.error("storage still unavailable, now %s (%s): %s", kind, KIND_WORDS[kind], self.error)
         else:
@@ -144,17 +153,24 @@ class StorageHealth:
         return delay
 
     def succeeded(self) -> bool:
-        """A write committed; True when that ended an episode."""
+        """A write committed; True when it is the first since writes failed (senders are let in again)."""
         if self.available:
+            self.settle()
             return False
-        now = self.clock()
-        log.warning("storage available again after %.1f s (%s): %d write attempt(s) failed and %d request(s) were "
-                    "refused meanwhile; senders' retries are being taken", now - self.since, self.kind, self.failures,
-                    self.refused)
-        self.available, self.since, self.failures = True, now, 0
+        self.available, self.returned_at = True, self.clock()
         self._next_attempt = -math.inf
         self._export(available=1)
         return True
+
+    def settle(self) -> None:
+        """End the episode once writes have gone through for SETTLE_SECONDS (the pipeline asks on idle ticks too)."""
+        if not (self.episode and self.available) or self.clock() - self.returned_at < SETTLE_SECONDS:
+            return
+        self.episode = False
+        log.warning("storage available again after %.1f s (%s): %d write attempt(s) failed and %d request(s) were "
+                    "refused meanwhile; writes have gone through since", self.returned_at - self.since, self.kind,
+                    self.failures, self.refused)
+        self.failures = 0
 
     def _export(self, available: int, outage: str = "") -> None:
         if self.telemetry is not None:
