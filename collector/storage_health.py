@@ -34,6 +34,7 @@ log = logging.getLogger("spikehound.collector.storage")
 
 # 0.25, 0.5, 1, then 2 s between attempts: a database that returns is used again within 2 s.
 RETRY = Backoff(initial=0.25, most=2.0)
+READ_RETRY_AFTER_SECONDS = 2  # what a read the database could not serve tells its client (the attempts' most)
 SETTLE_SECONDS = 5.0  # writes succeed this long before an episode is over
 KINDS = ("unreachable", "disk_full", "error")
 KIND_WORDS = {"unreachable": "the database cannot be reached", "disk_full": "the disk is full",

@@ -33,14 +33,13 @@ from collector.rest.common import (
     json_response,
 )
 from collector.rest.openapi import merge_document
-from collector.storage_health import first_line
+from collector.storage_health import READ_RETRY_AFTER_SECONDS, first_line
 from collector.telemetry import CollectorTelemetry
 from collector.web import routes as web_pages
 from storage.reader import Reader
 
 log = logging.getLogger("spikehound.collector.api")
 
-STORAGE_RETRY_AFTER_SECONDS = 2  # a read refused while the database is away (collector/storage_health.py RETRY)
 MAX_BODY_BYTES = 1024**2  # aiohttp's own limit on a request body, refused up front by Content-Length
 OPEN_PATHS = ("/healthz", "/readyz")  # the health endpoints: probes carry no token
 # Mounted in this order; the OpenAPI document lists their paths in the same order.
@@ -72,7 +71,7 @@ def build_app(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[],
         except (OperationalError, InterfaceError) as exc:  # the database is away: a retry will do, not a 500
             log.debug("%s %s: storage unavailable: %s", request.method, request.path, first_line(exc.orig or exc))
             response = json_response({"error": f"storage unavailable: {first_line(exc.orig or exc)}"}, 503)
-            response.headers["Retry-After"] = str(STORAGE_RETRY_AFTER_SECONDS)
+            response.headers["Retry-After"] = str(READ_RETRY_AFTER_SECONDS)
             return response
 
     cross_site = cross_site_middleware(site or Site(), MAX_BODY_BYTES, telemetry.api_refused)
