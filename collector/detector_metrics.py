@@ -28,6 +28,8 @@ ENGINE_COUNTERS = (
      "Traces dropped from the attribution buffer to stay within detection.trace_buffer_spans."),
     ("spikehound_attribution_missing_traces", "attributions_without_traces",
      "Spike updates that found none of their slow traces in the attribution buffer."),
+    ("spikehound_detector_duplicate_spans", "duplicate_spans",
+     "Spans the detectors skipped as already seen (a retried export whose first commit succeeded)."),
     ("spikehound_resource_late_points", "resource_late_points",
      "Metric samples that arrived after their window was judged."),
     ("spikehound_resource_overflow_points", "resource_overflow_points",
@@ -42,6 +44,9 @@ ENGINE_GAUGES = (
      "Spikes the detectors hold open now (restored from the checkpoint after a restart)."),
     ("spikehound_trace_buffer_spans", "trace_buffer_spans", "Spans held for attribution."),
     ("spikehound_resource_series", "resource_series", "Resource series watched by the resource detectors."),
+    ("spikehound_detection_catching_up", "catching_up",
+     "1 while the latency windows' watermark is held for a backlog to drain (after a storage outage or a "
+     "restart from a checkpoint), else 0."),
 )
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from collector.catch_up import CatchUp
 from collector.commit_hooks import CommitHooks
 from collector.detection import detection_settings
 from collector.detector_metrics import DetectorMetrics
@@ -41,6 +42,8 @@ NS = 1_000_000_000
 CHECKPOINT_NAME = "detection"
 TICK_SECONDS = 0.5
 RETENTION_INTERVAL_SECONDS = 300.0
+REPLAY_BLOCKS = 256  # span blocks read and fed to the detectors at a time when replaying after a restart
+REPLAY_POINTS = 20_000  # metric points likewise
 
 
 class IngestPipeline:
@@ -68,6 +71,8 @@ class IngestPipeline:
         self.engine = DetectionEngine(self.settings)
         self.detector_metrics = DetectorMetrics(self.detector_stats)
         self.health = health or StorageHealth(telemetry)
+        # Holds the windows after an episode or a restart until the senders' backlogs have drained.
+        self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)
         # Called on the event loop with every spike state written (opened, updated, resolved).
         self.spike_listeners: list[Callable[[list[Spike]], None]] = []
         self._pending = Detection()  # windows and spikes waiting for the next commit
@@ -88,7 +93,11 @@ class IngestPipeline:
 
     def detector_stats(self) -> dict[str, int]:
         """The detection engine's own figures now (the detector metrics read them when scraped)."""
-        return {**self.engine.stats(), "open_windows": self._open_windows}
+        return {**self.engine.stats(), "open_windows": self._open_windows, "catching_up": int(self.catch_up.active)}
+
+    def storage_returned(self) -> None:
+        """Storage takes writes again after an outage: hold the windows until the senders' backlogs arrive."""
+        self.catch_up.begin()
 
     async def start(self) -> None:
         """Continue from the checkpoint, then take the queue in a background task (see ``failed``)."""
@@ -123,7 +132,9 @@ class IngestPipeline:
 
     async def restore(self) -> None:
         """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
-        await self._restore_checkpoint()
+        found = await self._restore_checkpoint()
+        if found is not None:
+            await self._replay_committed(found)
         self._open_windows = self.engine.windows.open_windows
         self._open_ids = {s.id for s in self.engine.open_spikes()}
         stored = await self.writer_thread.run(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
@@ -137,6 +148,63 @@ class IngestPipeline:
             log.warning("%d spike(s) open in storage are not in the detectors' checkpoint (the collector stopped "
                         "without saving it): they will be closed at their last anomalous window once event time "
                         "passes it: %s", len(self._orphans), ", ".join(s.id for s in self._orphans[:10]))
+        if found is not None:  # senders that spooled while the collector was down send their backlogs now
+            self.catch_up.begin()
+            await self.writer_thread.run(self._sync_hold)
+
+    async def _replay_committed(self, found: checkpoints.Checkpoint) -> None:
+        """Feed the restored detectors what was committed after their checkpoint (the collector was killed
+        before it saved another): every committed span is seen once, and what they make of it waits for the
+        next commit (windows and spikes are upserts: writing one again changes nothing)."""
+        if found.span_block_id is None or found.points_ingested_at is None:
+            log.info("the checkpoint does not say where storage stood (written by an older version): nothing "
+                     "committed after it is replayed")
+            return
+        started = time.perf_counter()
+        reader = Reader(self.writer.engine)
+        block, spans = found.span_block_id, 0
+        while True:
+            block, chunk = await self.writer_thread.run(reader.spans_after, block, REPLAY_BLOCKS)
+            if not chunk:
+                break
+            spans += len(chunk)
+            self._take(await self.writer_thread.run(self._detect, self._add_and_advance, WriteBatch(spans=chunk)))
+        key, points = (0, -(2**63)), 0
+        while True:
+            key, chunk_points = await self.writer_thread.run(reader.points_since, found.points_ingested_at, key,
+                                                             REPLAY_POINTS)
+            if not chunk_points:
+                break
+            # The checkpoint's second is replayed whole, so some of these were seen: those in open windows are
+            # skipped as repeats; those whose window was judged were seen, or were late then too.
+            judged = self.engine.resources.judged
+            chunk_points = [p for p in chunk_points if not judged(p.time_unix_nano)]
+            points += len(chunk_points)
+            self._take(await self.writer_thread.run(self._detect, self._add_and_advance,
+                                                    WriteBatch(points=chunk_points)))
+        log.info("replayed what was committed after the checkpoint to the detectors: %d spans, %d metric points "
+                 "in %.2f s", spans, points, time.perf_counter() - started)
+
+    def _take(self, detected: Detection) -> None:
+        """Keep a detector step's windows and spikes for the next commit."""
+        self._pending.windows.extend(detected.windows)
+        if detected.spikes:  # one state per spike, its latest: the writer and the listeners want each once
+            latest = {s.id: s for s in self._pending.spikes}
+            latest.update((s.id, s) for s in detected.spikes)
+            self._pending.spikes = list(latest.values())
+
+    def _sync_hold(self) -> None:
+        """On the writer thread: hold the windows' watermark while catching up, release it (closing what the
+        data allows, in one step) once the backlog drained."""
+        windows = self.engine.windows
+        if self.catch_up.active:
+            if windows.hold is None:  # before any span, nothing may close either
+                held = windows.data_watermark
+                self.engine.hold(held if held is not None else -(2**62))
+        elif windows.hold is not None:
+            log.info("caught up: the senders' backlogs have arrived; windows held open close now")
+            self.engine.hold(None)
+            self._take(self._detect(self.engine.advance))
 
     def _close_orphans(self) -> None:
         """Resolve the spikes restore() found orphaned whose last anomalous window event time has passed."""
@@ -156,21 +224,22 @@ class IngestPipeline:
             log.info("closed %d orphaned spike(s) as resolved: %s", len(due), ", ".join(s.id for s in due[:10]))
             self._pending.spikes.extend(due)
 
-    async def _restore_checkpoint(self) -> None:
+    async def _restore_checkpoint(self) -> checkpoints.Checkpoint | None:
+        """The checkpoint the detectors continue from (None: they start fresh)."""
         found = await self.writer_thread.run(checkpoints.load, self.writer.engine, CHECKPOINT_NAME)
         if found is None:
             log.info("detectors start fresh: no checkpoint")
-            return
+            return None
         if found.format != CHECKPOINT_FORMAT:
             log.warning("detectors start fresh: the checkpoint has format %d, this version writes %d",
                         found.format, CHECKPOINT_FORMAT)
-            return
+            return None
         try:
             self.engine = await self.writer_thread.run(DetectionEngine.restore, self.settings, found.state)
         except Exception as exc:
             log.warning("detectors start fresh: the checkpoint cannot be continued (%s: %s)",
                         exc.__class__.__name__, exc)
-            return
+            return None
         latest = time.time_ns() + int(self.cfg.collector.max_clock_skew_seconds * NS)
         if await self.writer_thread.run(self.engine.limit_event_time, latest):
             log.warning("the checkpoint's event time ran past this collector's clock plus "
@@ -179,6 +248,7 @@ class IngestPipeline:
         log.info("detectors restored from the checkpoint of %s: %d streams, %d open spikes",
                  time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at)),
                  self.engine.stats()["judged_streams"], len(self.engine.open_spikes()))
+        return found
 
     async def run(self) -> None:
         """Write until ``stop`` is called and the queue is empty."""
@@ -225,6 +295,9 @@ class IngestPipeline:
         self.telemetry.stored.labels("metrics").inc(len(points))
         self._written(pending)
         self._pending = detected
+        if self.catch_up.active and spans:
+            self.catch_up.arrived(min(s.end_unix_nano for s in spans))
+        await self._catch_up_step()
         if self._orphans:
             self._close_orphans()
 
@@ -240,7 +313,14 @@ class IngestPipeline:
             return Detection()
         return self._detect(self._add_and_advance, batch)
 
+    async def _catch_up_step(self) -> None:
+        """Release the hold once the backlog drained (see CatchUp)."""
+        if self.engine.windows.hold is not None and (self.catch_up.done() or not self.catch_up.active):
+            await self.writer_thread.run(self._sync_hold)
+
     def _add_and_advance(self, batch: WriteBatch) -> Detection:
+        if self.catch_up.active and self.engine.windows.hold is None:
+            self._sync_hold()
         self.engine.add(batch.spans, batch.points)
         return self.engine.advance()
 
@@ -310,6 +390,10 @@ class IngestPipeline:
 
     async def checkpoint(self) -> None:
         """Save the detectors' learned state (on the writer thread, between two commits)."""
+        # What the detectors closed before it is written first: the checkpoint's storage position says that
+        # everything before it was seen, and a SIGKILL right after must not lose those windows and spikes.
+        if not await self._write_pending():
+            return
         started = time.perf_counter()
         try:
             await self.writer_thread.run(self._save_checkpoint)
@@ -319,6 +403,7 @@ class IngestPipeline:
         self.telemetry.checkpoint_seconds.observe(time.perf_counter() - started)
 
     def _save_checkpoint(self) -> None:
+        # With the position storage is at now: this runs on the writer thread, between two commits.
         checkpoints.save(self.writer.engine, CHECKPOINT_NAME, CHECKPOINT_FORMAT, self.engine.snapshot())
 
     async def _write(self, batch: WriteBatch) -> Detection:
@@ -338,9 +423,6 @@ class IngestPipeline:
             self.storage_returned()
         if not self.health.episode:
             self._freed_for_episode = False
-
-    def storage_returned(self) -> None:
-        """Storage takes writes again after an outage (called once per episode, on the event loop)."""
 
     async def _backoff(self, exc: Exception) -> None:
         """After a failed write: wait until the next attempt is due (the receivers refuse meanwhile)."""
@@ -372,15 +454,16 @@ class IngestPipeline:
                 await self._probe()
             return
         idle = self.clock() - self._last_input
-        if idle >= c.idle_flush_seconds:
+        await self._catch_up_step()
+        # Not while the senders' backlogs drain (after an outage or a restart): the windows they fill must
+        # stay open. (While storage is away, the return above keeps event time still.)
+        if idle >= c.idle_flush_seconds and not self.catch_up.active:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
             watermark = self.engine.windows.watermark
             if watermark is not None:  # never past the clock plus the skew the receivers allow
                 latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
                 advance = max(min(advance, latest - watermark), 0)
-            detected = await self.writer_thread.run(self._detect, self.engine.advance, advance)
-            self._pending.windows.extend(detected.windows)
-            self._pending.spikes.extend(detected.spikes)
+            self._take(await self.writer_thread.run(self._detect, self.engine.advance, advance))
         if self._orphans:
             self._close_orphans()
         if not await self._write_pending():

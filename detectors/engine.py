@@ -94,6 +94,7 @@ class DetectionEngine:
         self.spikes_opened = 0
         self.attributions_without_traces = 0
         self.judged_windows = 0
+        self.duplicate_spans = 0  # spans skipped by add() as already seen (see TraceBuffer.add)
 
     # -- input -------------------------------------------------------------
 
@@ -101,8 +102,12 @@ class DetectionEngine:
         """Take committed spans and metric samples (any order, any batch size)."""
         spans = spans if isinstance(spans, list) else list(spans)
         if spans:
-            if self.settings.enabled:
-                self.traces.add(spans)  # first: a generic entry's route is read off its trace
+            # First: a generic entry's route is read off its trace. A span the buffer holds already (a retried
+            # export whose first commit succeeded, its answer lost: stored twice, served once) is counted once.
+            fresh = self.traces.add(spans) if self.settings.enabled else spans
+            if fresh is not spans:
+                self.duplicate_spans += len(spans) - len(fresh)
+                spans = list(fresh)
             self.windows.add(spans)
         if not self.settings.enabled:
             return
@@ -116,6 +121,11 @@ class DetectionEngine:
     def advance(self, idle_advance_ns: int = 0) -> Detection:
         """Close and judge what the watermark (moved on by ``idle_advance_ns`` when input is idle) allows."""
         return self._process(self.windows.close(idle_advance_ns), idle_advance_ns)
+
+    def hold(self, at_ns: int | None) -> None:
+        """Cap event time at ``at_ns`` while a backlog drains (None: release it; the next advance closes what
+        the data allows, in one step). See :attr:`LatencyWindows.hold`."""
+        self.windows.hold = at_ns
 
     def flush(self) -> Detection:
         """Close every open window (end of a replay). Open spikes stay open."""
@@ -184,6 +194,7 @@ class DetectionEngine:
             "judged_streams": len(self.judge),
             "evicted_streams": self.judge.evicted_streams,
             "judged_windows": self.judged_windows,
+            "duplicate_spans": self.duplicate_spans,
             "open_spikes": self.incidents.open_count,
             "spikes_opened": self.spikes_opened,
             "trace_buffer_spans": self.traces.spans,
@@ -207,6 +218,8 @@ class DetectionEngine:
         if self._metric_max_ns is not None:
             from_metrics = self._metric_max_ns - s.allowed_lateness_ns + idle_advance_ns
             resource_watermark = from_metrics if watermark is None else max(watermark, from_metrics)
+            if self.windows.hold is not None:  # a metrics backlog drains with the spans' (see LatencyWindows.hold)
+                resource_watermark = min(resource_watermark, self.windows.hold)
         out = Detection(windows=closed)
         if not s.enabled:
             return out

@@ -188,13 +188,15 @@ class _Series:
     unit: str
     detector: ResourceDetector
     cumulative: bool
-    # window start -> [sum, count] for gauges, [increase, count] for counters
+    # window start -> [sum, count, point times] for gauges, [increase, count, point times] for counters
     open: dict[int, list[float]] = field(default_factory=dict)
     last: tuple[int, float] | None = None  # the previous counter point (time, value)
 
 
 class ResourceWatch:
     """Windows, detectors and recent flags for every watched (host, metric, attributes) series."""
+
+    duplicate_points = 0  # class default: a checkpoint from before the count was kept has none
 
     def __init__(self, window_ns: int = 10 * NS, z_threshold: float = 3.0, max_series: int = 20_000,
                  keep_windows: int = 30) -> None:
@@ -204,6 +206,7 @@ class ResourceWatch:
         self.keep_windows = keep_windows
         self.late_points = 0
         self.overflow_points = 0
+        self.duplicate_points = 0
         self._series: dict[tuple[str, str, str], _Series] = {}
         self._closed_until = -(2**62)  # windows ending at or before this are closed
         self._flags: deque[ResourceFlag] = deque()
@@ -227,7 +230,16 @@ class ResourceWatch:
                 continue
             acc = series.open.get(start)
             if acc is None:
-                series.open[start] = acc = [0.0, 0.0]
+                series.open[start] = acc = [0.0, 0.0, set()]
+            elif len(acc) < 3:  # a window from a checkpoint written before the times were kept
+                acc.append(set())
+            # The same point twice (a retried export whose first commit succeeded; storage keeps one) must
+            # not count twice: a delta counter's rate would double.
+            times = acc[2]
+            if p.time_unix_nano in times:
+                self.duplicate_points += 1
+                continue
+            times.add(p.time_unix_nano)
             if p.kind == MetricKind.GAUGE:
                 acc[0] += p.value
             elif p.kind == MetricKind.SUM_DELTA:
@@ -242,6 +254,10 @@ class ResourceWatch:
                     series.last = (p.time_unix_nano, p.value)
             acc[1] += 1
 
+    def judged(self, time_ns: int) -> bool:
+        """Whether the window of a sample at ``time_ns`` was judged already (a sample for it is late)."""
+        return time_ns // self.window_ns * self.window_ns + self.window_ns <= self._closed_until
+
     def close(self, watermark_ns: int) -> list[ResourceFlag]:
         """Judge every window that ends at or before ``watermark_ns``; return the new flags."""
         if watermark_ns <= self._closed_until:
@@ -253,7 +269,8 @@ class ResourceWatch:
         flags: list[ResourceFlag] = []
         for series in self._series.values():
             for start in sorted(s for s in series.open if s + self.window_ns <= watermark_ns):
-                total, count = series.open.pop(start)
+                acc = series.open.pop(start)
+                total, count = acc[0], acc[1]
                 value = total if series.cumulative else total / count  # counters already hold a rate
                 flag = self._judge(series, start, value)
                 if flag is not None:

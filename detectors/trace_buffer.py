@@ -16,18 +16,30 @@ oldest traces (by first arrival) go first, whole, and are counted.
 ...                 service="svc", host="h1", name=f"op{i}", kind=SpanKind.INTERNAL,
 ...                 start_unix_nano=0, end_unix_nano=10, status=StatusCode.UNSET)
 >>> buf = TraceBuffer(max_spans=3)
->>> buf.add([span(1, 1), span(1, 2, bytes([1]) * 8), span(2, 3)])
->>> buf.add([span(3, 4)])  # full: trace 1 (two spans) is evicted whole
+>>> _ = buf.add([span(1, 1), span(1, 2, bytes([1]) * 8), span(2, 3)])
+>>> _ = buf.add([span(3, 4)])  # full: trace 1 (two spans) is evicted whole
 >>> buf.spans, buf.evicted_traces, [s.name for s in buf.trace(bytes([2]) * 16)]
 (2, 1, ['op3'])
 >>> buf.trace(bytes([1]) * 16)
 []
+
+A span seen again (a retried export) is buffered once, and left out of what add() returns:
+
+>>> buf = TraceBuffer(max_spans=50)
+>>> _ = buf.add([span(1, 1)])
+>>> [s.name for s in buf.add([span(1, 1), span(1, 2), span(1, 2), span(2, 3)])]
+['op2', 'op3']
+>>> big = [span(5, i) for i in range(1, 20)]  # past _SCAN_SPANS a trace's span ids are kept in a set
+>>> len(buf.add(big)), len(buf.add(big)), buf.spans
+(19, 0, 22)
+>>> buf.bytes == 22 * RECORD_BYTES + 19 * SPAN_ID_BYTES
+True
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from spikehound.model import Span, SpanKind, StatusCode
 
@@ -35,6 +47,8 @@ __all__ = ["TraceBuffer"]
 
 # (span_id, parent_span_id, service, name, kind, start, end, host)
 Record = tuple[bytes, bytes | None, str, str, int, int, int, str | None]
+SPAN_ID_BYTES = 90  # a span id in a trace's id set (see add): the bytes object and its set slot
+_SCAN_SPANS = 16  # a trace of at most this many buffered spans is scanned for a repeat instead of given a set
 RECORD_BYTES = 300  # a record's tuple, ids, times, list slot and a short name; a longer name counts on top
 SHORT_NAME = 64
 MAX_CALLEES = 64  # where one request went is named by a few; a request that fans out wider is not read further
@@ -58,18 +72,54 @@ class TraceBuffer:
         self._long_names: dict[bytes, int] = {}  # trace id -> characters in its names longer than SHORT_NAME
         # trace id -> (children by parent span id, service by span id); valid until the next add()
         self._index: dict[bytes, tuple[dict[bytes, list[Record]], dict[bytes, str]]] = {}
+        # trace id -> its span ids, for a trace of more than _SCAN_SPANS buffered spans (see add); dropped with
+        # the trace. Its size is counted in ``bytes`` (SPAN_ID_BYTES a span).
+        self._ids: dict[bytes, set[bytes]] = {}
 
-    def add(self, spans: Iterable[Span]) -> None:
-        traces = self._traces
+    def add(self, spans: Sequence[Span]) -> Sequence[Span]:
+        """Buffer ``spans``; return them less those whose (trace id, span id) was buffered already or came
+        earlier in ``spans`` (a retried export whose commit succeeded but whose answer was lost): ``spans``
+        itself when none repeats.
+
+        The check rides on the look-up of each span's trace that buffering does anyway: a span of a new
+        trace is new; one of a trace with few buffered spans is compared with them; a larger trace gets a
+        set of its span ids, counted in ``bytes`` (SPAN_ID_BYTES a span) and dropped with the trace.
+        """
+        traces, ids = self._traces, self._ids
         if self._index:
             self._index = {}
         long_names = self._long_names
-        added = chars = 0
-        for s in spans:
+        added = chars = id_bytes = 0
+        out: list[Span] | None = None  # the fresh spans, made only once a repeat is found
+        for i, s in enumerate(spans):
             trace_id = s.trace_id
             records = traces.get(trace_id)
             if records is None:
                 traces[trace_id] = records = []
+            elif len(records) <= _SCAN_SPANS:
+                span_id = s.span_id
+                repeat = False
+                for r in records:
+                    if r[0] == span_id:
+                        repeat = True
+                        break
+                if repeat:
+                    if out is None:
+                        out = list(spans[:i])
+                    continue
+            else:
+                seen = ids.get(trace_id)
+                if seen is None:
+                    ids[trace_id] = seen = {r[0] for r in records}
+                    id_bytes += len(seen) * SPAN_ID_BYTES
+                if s.span_id in seen:
+                    if out is None:
+                        out = list(spans[:i])
+                    continue
+                seen.add(s.span_id)
+                id_bytes += SPAN_ID_BYTES
+            if out is not None:
+                out.append(s)
             name = s.name
             records.append((s.span_id, s.parent_span_id, s.service, name, int(s.kind), s.start_unix_nano,
                             s.end_unix_nano, s.host))
@@ -78,12 +128,17 @@ class TraceBuffer:
                 long_names[trace_id] = long_names.get(trace_id, 0) + len(name)
             added += 1
         self.spans += added
-        self.bytes += added * RECORD_BYTES + chars
+        self.bytes += added * RECORD_BYTES + chars + id_bytes
         while (self.spans > self.max_spans or self.bytes > self.max_bytes) and traces:
             trace_id, evicted = traces.popitem(last=False)
             self.spans -= len(evicted)
             self.bytes -= len(evicted) * RECORD_BYTES + (long_names.pop(trace_id, 0) if long_names else 0)
             self.evicted_traces += 1
+            if ids:
+                seen = ids.pop(trace_id, None)
+                if seen is not None:
+                    self.bytes -= len(seen) * SPAN_ID_BYTES
+        return spans if out is None else out
 
     def trace(self, trace_id: bytes) -> list[Span]:
         """The buffered spans of one trace as model spans (empty when unknown or evicted)."""

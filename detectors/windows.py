@@ -128,6 +128,8 @@ class LatencyWindows:
     [(None, 'model', 'GET /infer', 60000000), ('gateway', 'model', 'GET /infer', 80000000)]
     """
 
+    hold: int | None = None  # class default for checkpoints from before the hold existed
+
     def __init__(
         self,
         window_ns: int = 10_000_000_000,
@@ -192,10 +194,14 @@ class LatencyWindows:
         # stay closed.
         self._watermark: int | None = None
         self._forgot_at = -(2**62)  # the watermark at the last sweep for quiet streams
+        # While the collector catches up (a backlog after a storage outage or a restart), the watermark is
+        # capped here: windows ending after it stay open, and a span is late only against it. None: no cap.
+        self.hold: int | None = None
 
     def __getstate__(self) -> dict[str, object]:
         # route_of reads the engine's trace buffer, which is not part of a checkpoint: the engine sets it again.
-        return {**self.__dict__, "route_of": None}
+        # A hold belongs to the collector's catch-up, which a restart begins again from its own state.
+        return {**self.__dict__, "route_of": None, "hold": None}
 
     # -- input -------------------------------------------------------------
 
@@ -207,6 +213,7 @@ class LatencyWindows:
         open_, streams, generic, callees = self._open, self._streams, self._generic, self._callees
         hops_open, answered, labels = self._hops_open, self._answered_run, self._labels
         max_end, watermark, late = self._max_end, self._watermark, 0
+        hold = self.hold
         for span in spans:
             kind, parent = span.kind, span.parent_span_id
             if kind == client:
@@ -228,7 +235,7 @@ class LatencyWindows:
                 # Keyed by trace and parent: span ids are unique only within a trace, and another sender's
                 # reused id must not rename someone else's hop.
                 bucket[span.trace_id + parent] = (span.service, span.name)
-            if watermark is not None and start + window_ns <= watermark:
+            if watermark is not None and start + window_ns <= watermark and (hold is None or start + window_ns <= hold):
                 # Its window is closed (maybe already emitted): counting it now would change a result that
                 # was already reported.
                 late += 1
@@ -317,7 +324,8 @@ class LatencyWindows:
         candidate = self._max_end - self.allowed_lateness_ns + idle_advance_ns
         if self._watermark is None or candidate > self._watermark:
             self._watermark = candidate
-        watermark = self._watermark
+        watermark = self.watermark
+        assert watermark is not None
         closing = sorted(s for s in self._starts() if s + self.window_ns <= watermark)
         out = self._emit(closing)
         # Streams go quiet a window at a time: look at every stream only when the watermark enters a new window.
@@ -383,7 +391,14 @@ class LatencyWindows:
 
     @property
     def watermark(self) -> int | None:
-        """Current event-time watermark in ns (None before the first span)."""
+        """Current event-time watermark in ns (None before the first span), capped by ``hold``."""
+        if self.hold is not None and self._watermark is not None and self._watermark > self.hold:
+            return self.hold
+        return self._watermark
+
+    @property
+    def data_watermark(self) -> int | None:
+        """The watermark the data alone (and idle advances) reached, ignoring ``hold``."""
         return self._watermark
 
     def is_root(self, stream: StreamKey) -> bool:

@@ -147,6 +147,9 @@ class CollectorConfig:
     allowed_lateness_seconds: float = 5.0
     # After this much wall-clock idleness the watermark catches up and open windows close.
     idle_flush_seconds: float = 3.0
+    # After a storage outage or a restart from a checkpoint, windows wait until no backlog span (older than
+    # its arrival less the allowed lateness) arrived for this long (at most 10 minutes): senders drain unevenly.
+    catch_up_seconds: float = 15.0
     # Most (service, operation) latency streams tracked; the rest are counted as overflow.
     max_streams: int = 10_000
     # URL that links in alerts and CLI output point at; its host is one the API answers to.
@@ -526,6 +529,7 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     for key, value in {"collector.allowed_lateness_seconds": c.allowed_lateness_seconds,
                        "collector.idle_flush_seconds": c.idle_flush_seconds,
+                       "collector.catch_up_seconds": c.catch_up_seconds,
                        "collector.retry_after_seconds": c.retry_after_seconds,
                        "agent.drain_seconds": cfg.agent.drain_seconds,
                        "detection.min_abs_rise_ms": cfg.detection.min_abs_rise_ms,

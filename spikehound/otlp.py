@@ -404,6 +404,11 @@ def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
     return out
 
 
+def spans_of_block(payload: bytes) -> list[Span]:
+    """The valid spans of an encoded ExportTraceServiceRequest (a stored span block)."""
+    return decode_spans(ExportTraceServiceRequest.FromString(payload)).spans
+
+
 def spans_of_trace(payload: bytes, trace_id: bytes) -> list[Span]:
     """The valid spans of ``trace_id`` in an encoded ExportTraceServiceRequest (a stored span block)."""
     return decode_spans(ExportTraceServiceRequest.FromString(payload), trace_id=trace_id).spans

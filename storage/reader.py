@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine, and_, func, or_, select
 
-from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, MetricKind, Span, Spike
-from spikehound.otlp import spans_of_trace
+from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, MetricKind, MetricPoint, Span, Spike
+from spikehound.otlp import spans_of_block, spans_of_trace
 from storage import schema, trace_search
 from storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQuery
 
@@ -227,6 +227,45 @@ class Reader:
                     seen.add(digest)
                     yield data
 
+
+    def spans_after(self, block_id: int, limit: int = 256) -> tuple[int, list[Span]]:
+        """The spans of up to ``limit`` span blocks committed after ``block_id``, in commit (id) order, and the
+        last block id read (``block_id`` when none is newer). Each block as stored: a block stored twice (a
+        retried export) comes twice; the detectors skip what they saw. For the collector's restart, which
+        feeds its restored detectors what was committed after their checkpoint."""
+        b = schema.span_blocks
+        query = select(b.c.id, b.c.payload).where(b.c.id > block_id).order_by(b.c.id).limit(limit)
+        spans: list[Span] = []
+        last = block_id
+        with self.engine.connect() as conn:
+            for row_id, payload in conn.execute(query):
+                spans += spans_of_block(bytes(payload))
+                last = row_id
+        return last, spans
+
+    def points_since(self, ingested_at: int, after: tuple[int, int] = (0, -(2**63)), limit: int = 10_000
+                     ) -> tuple[tuple[int, int], list[MetricPoint]]:
+        """Up to ``limit`` metric points that arrived in or after second ``ingested_at``, by (series id, time)
+        after the key ``after``; with the key to continue from (``after`` when none is left)."""
+        m, p = schema.metric_series, schema.metric_points
+        series, since = after
+        query = (select(p.c.series_id, p.c.t_ns, p.c.value, m.c.host, m.c.name, m.c.attributes, m.c.kind, m.c.unit)
+                 .join(m, m.c.id == p.c.series_id)
+                 .where(p.c.ingested_at >= ingested_at,
+                        or_(p.c.series_id > series, and_(p.c.series_id == series, p.c.t_ns > since)))
+                 .order_by(p.c.series_id, p.c.t_ns).limit(limit))
+        points: list[MetricPoint] = []
+        key = after
+        attributes: dict[str, dict[str, Any]] = {}
+        with self.engine.connect() as conn:
+            for r in conn.execute(query):
+                attrs = attributes.get(r.attributes)
+                if attrs is None:
+                    attrs = attributes[r.attributes] = orjson.loads(r.attributes)
+                points.append(MetricPoint(host=r.host, name=r.name, attributes=attrs, time_unix_nano=r.t_ns,
+                                          value=r.value, kind=MetricKind(r.kind), unit=r.unit))
+                key = (r.series_id, r.t_ns)
+        return key, points
 
     # --- trace search and the dependency graph (the Jaeger query API) -----------------------------
 

@@ -179,6 +179,10 @@ detector_checkpoints = Table(
     Column("saved_at", BigInteger, nullable=False),  # unix seconds, wall clock
     Column("format", Integer, nullable=False),  # bumped when the state layout changes; older ones are ignored
     Column("state", LargeBinary, nullable=False),
+    # Where storage stood at the save (the highest span_blocks.id, the latest metric_points.ingested_at):
+    # after a SIGKILL what was committed later is fed to the restored detectors. NULL: saved before 0006.
+    Column("span_block_id", BigInteger, nullable=True),
+    Column("points_ingested_at", BigInteger, nullable=True),
 )
 
 # Alerts: the durable outbox of notifications (written in the same transaction as the routing state that made

@@ -243,6 +243,9 @@ class Writer:
                                                  t.c.attributes == row["attributes"])).scalar_one()
 
     def _write_spikes(self, conn: Any, spikes: Sequence[Spike]) -> None:
+        # One row per spike: a batch may carry several states of one (detector steps since the last commit,
+        # a catch-up closing many windows at once); the latest, last in the batch, is the one to keep.
+        spikes = list({s.id: s for s in spikes}.values())
         conn.execute(self._spikes, _fit_rows(schema.spikes, [{
             "id": s.id, "service": s.service, "operation": s.operation, "state": s.state,
             "start_ns": s.start_unix_nano, "end_ns": s.end_unix_nano, "p99_ns": s.p99_ns,

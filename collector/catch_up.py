@@ -1,0 +1,80 @@
+"""Catching up after an episode: the latency windows wait for the senders' backlogs.
+
+While storage is away (or the collector is restarting) senders spool what they
+cannot deliver, and afterwards send it oldest first, each at its own pace. Live
+data from a sender that drained quickly would move the watermark past windows
+that a slower sender's backlog still fills, and allowed lateness (seconds) is
+far shorter than an outage: those spans would count as late. So an episode's
+end, and a start from a checkpoint, begin a catch-up: the watermark is held
+where it was until, for ``quiet_seconds``, no *backlog* span arrived (one
+that ended before the catch-up began, by the collector's clock), or at most
+``most_seconds``; then the hold is released and the windows close in one step.
+Live spans never count as backlog, however late an SDK exports them (its batch
+delay is 5 s by default), so a catch-up after a short outage ends about
+``quiet_seconds`` after the last spooled span arrived.
+
+>>> clock, wall = [0.0], [100 * NS]
+>>> c = CatchUp(quiet_seconds=15, clock=lambda: clock[0], wall_ns=lambda: wall[0])
+>>> c.begin(); c.active
+True
+>>> wall[0] += 20 * NS
+>>> c.arrived(90 * NS)  # ended before storage returned: backlog
+>>> clock[0] = 14.0; c.done()
+False
+>>> c.arrived(110 * NS)  # ended after: live, however late it came
+>>> clock[0] = 15.0; c.done()
+True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["MOST_SECONDS", "NS", "CatchUp"]
+
+NS = 1_000_000_000
+MOST_SECONDS = 600.0  # a sender that never drains must not hold the windows for ever
+
+
+class CatchUp:
+    """Whether the windows are held for a backlog, and when it has drained (see the module)."""
+
+    def __init__(self, quiet_seconds: float, *, most_seconds: float = MOST_SECONDS,
+                 clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns) -> None:
+        self.quiet_seconds = quiet_seconds
+        self.most_seconds = most_seconds
+        self.clock = clock  # seconds, for the quiet period and the limit
+        self.wall_ns = wall_ns  # when the catch-up began, as the spans' end times say it
+        self.active = False
+        self.episodes = 0  # catch-ups begun
+        self._began = 0.0
+        self._began_ns = 0  # spans that ended before this are backlog
+        self._last_backlog = 0.0
+
+    def begin(self) -> None:
+        """Start (or restart) a catch-up: storage is back, or the collector started from a checkpoint."""
+        if self.quiet_seconds <= 0:
+            return
+        now = self.clock()
+        if not self.active:
+            self._began = now
+            self.episodes += 1
+        self.active = True
+        self._began_ns = self.wall_ns()
+        self._last_backlog = now
+
+    def arrived(self, oldest_end_ns: int) -> None:
+        """A committed batch whose earliest span ended at ``oldest_end_ns``."""
+        if self.active and oldest_end_ns < self._began_ns:
+            self._last_backlog = self.clock()
+
+    def done(self) -> bool:
+        """True once the backlog has drained (or the limit passed); the caller then releases the hold."""
+        if not self.active:
+            return False
+        now = self.clock()
+        if now - self._last_backlog >= self.quiet_seconds or now - self._began >= self.most_seconds:
+            self.active = False
+            return True
+        return False
