@@ -10,9 +10,10 @@ sent one at a time, in order.
 
 An item leaves the queue only when the collector acknowledged it (which it
 does after committing). Retryable answers (UNAVAILABLE, RESOURCE_EXHAUSTED,
-DEADLINE_EXCEEDED, ...) back off exponentially with jitter, honouring the
-collector's ``RetryInfo``; a request the collector calls invalid is dropped
-and counted, since sending it again can never succeed.
+DEADLINE_EXCEEDED, ...) back off exponentially with jitter, or, when the
+collector's ``RetryInfo`` names a delay, wait that (up to half again more,
+drawn, so that agents spread out); a request the collector calls invalid is
+dropped and counted, since sending it again can never succeed.
 
 A request refused as larger than the collector's maximum (gRPC's
 RESOURCE_EXHAUSTED "message larger than max", which carries no
@@ -55,6 +56,7 @@ MAX_MERGED_BYTES = 4 << 20  # the collector accepts 32 MiB; stay well below
 BACKOFF_START = 0.25
 BACKOFF_MAX = 30.0
 BACKOFF_JITTER = (0.5, 1.5)  # each delay drawn between half and one and a half times the step
+HINT_JITTER = 1.5  # a collector's RetryInfo delay is waited for, times up to this
 REQUEST_TIMEOUT = 30.0
 RECONNECT_BACKOFF_MAX_MS = 5000
 MAX_SEND_BYTES = 64 << 20
@@ -343,7 +345,13 @@ class Forwarder:
         self._stalled(reason, exc)
         wanted = max((retry_delay(failure) or 0.0 for failure in failures), default=0.0)
         self._failures += 1
-        delay = max(wanted, self._backoff.delay(self._failures, self._random))
+        # A collector that names a delay is up and says when to come back (storage away, its queue full): its
+        # word beats our own doubling, which after a minute-long outage would keep the backlog waiting for up
+        # to 45 s after storage returned. Only ever later than asked, so agents told together spread out.
+        if wanted:
+            delay = wanted * (1.0 + self._random.random() * (HINT_JITTER - 1.0))
+        else:
+            delay = self._backoff.delay(self._failures, self._random)
         await asyncio.sleep(delay)
 
     def _stalled(self, reason: str, exc: grpc.aio.AioRpcError) -> None:

@@ -30,6 +30,7 @@ from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
 from collector.rest.app import build_app
 from collector.retention import RetentionRunner
+from collector.storage_health import StorageHealth
 from collector.telemetry import CollectorTelemetry
 from collector.tls import ServerTls, describe
 from collector.writer_thread import WriterThread
@@ -114,14 +115,15 @@ class Collector:
         queue = IngestQueue(c.queue_capacity)
         self.telemetry.queue_capacity.set(c.queue_capacity)
         retention = RetentionRunner(Retention(engine), self.telemetry, writer_thread)
+        health = StorageHealth(self.telemetry)  # told by the pipeline's commits; asked by receivers and /readyz
         self.pipeline = pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, retention,
-                                                  self.telemetry)
+                                                  self.telemetry, health=health)
         self.telemetry.registry.register(pipeline.detector_metrics)
         install_exported_metrics(cfg, pipeline, self.telemetry, reader)
         self.alerting = alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread,
-                                            clock=self.alerting_clock)
+                                            clock=self.alerting_clock, health=health)
         pipeline.spike_listeners.append(alerting.observe)
-        ingest = Ingest.configured(queue, self.telemetry, c)
+        ingest = Ingest.configured(queue, self.telemetry, c, health)
         if c.allow_unauthenticated_otlp and not (c.otlp_token or c.tls_client_ca_file) and not (
                 c.otlp_grpc.is_loopback and c.otlp_http.is_loopback):
             log.warning("OTLP receivers listen beyond loopback without collector.otlp_token or client certificates "
@@ -179,8 +181,10 @@ class Collector:
     async def _ready(self) -> tuple[bool, str]:
         if not self._listening:
             return False, "starting"
-        if self.pipeline is None or not self.pipeline.healthy:
-            return False, "storage writes are failing"
+        if self.pipeline is None:
+            return False, "starting"
+        if not self.pipeline.health.available:
+            return False, self.pipeline.health.describe()
         return True, "ok"
 
     async def reload(self, cfg: Config) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collector.ingest_queue import ByteBudget, IngestQueue, QueueFull
+from collector.storage_health import StorageHealth
 from collector.storage_unavailable import StorageUnavailable
 from collector.telemetry import CollectorTelemetry
 from spikehound.config import CollectorConfig
@@ -109,10 +110,11 @@ class Ingest:
 
     def __init__(self, queue: IngestQueue, telemetry: CollectorTelemetry, retry_after: int, *,
                  limits: Limits | None = None, max_bytes_in_flight: int | None = None,
-                 max_clock_skew_ns: int = 300 * NS) -> None:
+                 max_clock_skew_ns: int = 300 * NS, health: StorageHealth | None = None) -> None:
         self.queue = queue
         self.telemetry = telemetry
         self.retry_after = retry_after
+        self.health = health or StorageHealth(telemetry)  # the pipeline's: whether storage takes writes now
         self.limits = limits or Limits()  # what the receivers cut records to while decoding
         self.max_clock_skew_ns = max_clock_skew_ns
         self._senders: dict[tuple[str, str], float] = {}  # senders whose clock was wrong -> when last logged
@@ -121,10 +123,23 @@ class Ingest:
         telemetry.bytes_in_flight_capacity.set(capacity)
 
     @classmethod
-    def configured(cls, queue: IngestQueue, telemetry: CollectorTelemetry, c: CollectorConfig) -> Ingest:
+    def configured(cls, queue: IngestQueue, telemetry: CollectorTelemetry, c: CollectorConfig,
+                   health: StorageHealth | None = None) -> Ingest:
         """The ingest that the collector section ``c`` configures."""
         return cls(queue, telemetry, c.retry_after_seconds, limits=limits_of(c),
-                   max_bytes_in_flight=c.max_bytes_in_flight, max_clock_skew_ns=int(c.max_clock_skew_seconds * NS))
+                   max_bytes_in_flight=c.max_bytes_in_flight, max_clock_skew_ns=int(c.max_clock_skew_seconds * NS),
+                   health=health)
+
+    def check_storage(self, protocol: str) -> None:
+        """Raise Unavailable, before the request is read or decoded, while storage takes no writes.
+
+        Requests that arrive once the pipeline's next attempt is due are let through: their data is that attempt.
+        """
+        health = self.health
+        if health.admit():
+            return
+        self.telemetry.rejected_requests.labels(protocol, "storage_unavailable").inc()
+        raise Unavailable(f"storage unavailable ({health.kind}); retry later", health.retry_after())
 
     def not_after_ns(self) -> int:
         """The latest event time a record may have now: the collector's clock plus the allowed skew."""
@@ -177,7 +192,7 @@ class Ingest:
             # Shielded: a sender that hangs up must not cancel the commit others share.
             await asyncio.shield(submission.committed)
         except StorageUnavailable as exc:
-            raise Unavailable(str(exc), max(self.retry_after, 1)) from None
+            raise Unavailable(str(exc), self.health.retry_after()) from None
         message = "; ".join(m for m in (decoded.error_message, self._truncation_note(decoded.truncated)) if m)
         return Accepted(decoded.rejected, message)
 

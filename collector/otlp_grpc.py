@@ -58,9 +58,12 @@ class _Export:
         # The body's bytes are held from before decoding (which takes about twice as much again) to the answer.
         with self.ingest.admission("grpc") as admission:
             try:
+                self.ingest.check_storage("grpc")
                 admission.need(len(body))
             except Overloaded as exc:
                 await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
+            except Unavailable as exc:
+                await _abort_retry(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
             try:
                 request = self.parse(body)
             except PayloadError as exc:

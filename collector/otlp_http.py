@@ -85,10 +85,15 @@ class HttpReceiver:
         # announced length does not fit now (none of the body is read), and again when the body inflates.
         with self.ingest.admission("http") as admission:
             try:
+                self.ingest.check_storage("http")
                 admission.need(request.content_length or 0)
             except Overloaded as exc:
                 response = status_response(429, str(exc), as_json, retry_after=exc.retry_after)
                 response.force_close()  # the unread body is not worth keeping the connection for
+                return response
+            except Unavailable as exc:
+                response = status_response(503, str(exc), as_json, retry_after=exc.retry_after)
+                response.force_close()
                 return response
             try:
                 body = await read_body(request, framing, self.max_request_bytes)

@@ -23,11 +23,11 @@ from collector.detection import detection_settings
 from collector.detector_metrics import DetectorMetrics
 from collector.ingest_queue import IngestQueue, Submission
 from collector.retention import RetentionRunner
+from collector.storage_health import StorageHealth
 from collector.storage_unavailable import StorageUnavailable
 from collector.telemetry import CollectorTelemetry
 from collector.writer_thread import WriterThread
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
-from spikehound.backoff import Backoff
 from spikehound.config import Config
 from spikehound.model import Spike
 from spikehound.text import printable
@@ -41,14 +41,14 @@ NS = 1_000_000_000
 CHECKPOINT_NAME = "detection"
 TICK_SECONDS = 0.5
 RETENTION_INTERVAL_SECONDS = 300.0
-STORAGE_RETRY_BACKOFF = Backoff(initial=0.25, most=5.0)  # 0.25, 0.5, 1, 2, 4, then 5 s between write attempts
 
 
 class IngestPipeline:
     """Owns the latency windows and the detectors; runs as one background task from ``start`` until ``stop``.
 
     Every write goes through ``writer_thread``, the collector's, which retention and alerting share; the
-    pipeline runs ``retention`` when it is idle (it knows when that is).
+    pipeline runs ``retention`` when it is idle (it knows when that is). Its commits tell ``health`` whether
+    storage takes writes (the receivers and ``/readyz`` ask it).
     The detector metrics (``detector_metrics``) are for the daemon to register.
     """
 
@@ -56,7 +56,7 @@ class IngestPipeline:
 
     def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, writer_thread: WriterThread,
                  retention: RetentionRunner, telemetry: CollectorTelemetry, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 health: StorageHealth | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         # Seconds for the schedules (idle flush, checkpoints, retention); tests step it instead of waiting.
         self.clock = clock
@@ -67,7 +67,7 @@ class IngestPipeline:
         self.settings = detection_settings(cfg)
         self.engine = DetectionEngine(self.settings)
         self.detector_metrics = DetectorMetrics(self.detector_stats)
-        self.healthy = True  # False while the last commit failed; /readyz reports it
+        self.health = health or StorageHealth(telemetry)
         # Called on the event loop with every spike state written (opened, updated, resolved).
         self.spike_listeners: list[Callable[[list[Spike]], None]] = []
         self._pending = Detection()  # windows and spikes waiting for the next commit
@@ -78,7 +78,7 @@ class IngestPipeline:
         self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
         self._next_checkpoint = self.clock() + cfg.detection.checkpoint_seconds
         self.retention = retention  # run on this pipeline's idle ticks
-        self._failures = 0
+        self._freed_for_episode = False  # retention was run once for the current disk-full episode
         self._detector_errors_seen: set[tuple[str, str]] = set()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -314,7 +314,7 @@ class IngestPipeline:
         try:
             await self.writer_thread.run(self._save_checkpoint)
         except Exception as exc:
-            log.error("detector checkpoint failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0][:200])
+            self.health.note("detector checkpoint", exc)
             return
         self.telemetry.checkpoint_seconds.observe(time.perf_counter() - started)
 
@@ -327,25 +327,50 @@ class IngestPipeline:
         try:
             detected = await self.writer_thread.run(self._write_and_detect, batch)
         except Exception:
-            self.healthy = False
             self.telemetry.write_errors.inc()
             raise
-        self.healthy = True
-        self._failures = 0
         self.telemetry.write_seconds.observe(time.perf_counter() - started)
+        self._storage_wrote()
         return detected
 
+    def _storage_wrote(self) -> None:
+        if self.health.succeeded():
+            self.storage_returned()
+        if not self.health.episode:
+            self._freed_for_episode = False
+
+    def storage_returned(self) -> None:
+        """Storage takes writes again after an outage (called once per episode, on the event loop)."""
+
     async def _backoff(self, exc: Exception) -> None:
-        self._failures += 1
+        """After a failed write: wait until the next attempt is due (the receivers refuse meanwhile)."""
         # The step, not a draw: there is one writer, with no crowd of retries to spread out.
-        delay = STORAGE_RETRY_BACKOFF.step(self._failures)
-        log.error("storage write failed (%s: %s); senders are told to retry; next try in %.1f s",
-                  exc.__class__.__name__, str(exc).splitlines()[0][:200], delay)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(self.health.failed(exc))
+
+    async def _probe(self) -> None:
+        """During an outage with no sender's data to try: a real write tells whether storage is back."""
+        if self._pending.windows or self._pending.spikes:
+            await self._write_pending()
+            return
+        try:
+            await self.writer_thread.run(self._save_checkpoint)  # sizeable, so a full disk does not pass it
+        except Exception as exc:
+            await self._backoff(exc)
+            return
+        self._storage_wrote()
 
     async def _tick(self) -> None:
         """With no input: let the watermark catch up, write what the detectors closed, run retention."""
         c = self.cfg.collector
+        self.health.settle()
+        if not self.health.available:
+            # No data reaches the detectors meanwhile (the senders hold it): event time must not move on idle.
+            if self.health.kind == "disk_full" and not self._freed_for_episode:
+                self._freed_for_episode = True  # where caps are set, deletions free pages for new rows
+                await self.run_retention()
+            if self.health.due():
+                await self._probe()
+            return
         idle = self.clock() - self._last_input
         if idle >= c.idle_flush_seconds:
             advance = int((c.allowed_lateness_seconds + idle) * NS)

@@ -28,8 +28,8 @@ class CollectorTelemetry:
                                "(queue full, storage down); the sender was told to retry.",
                                ["signal", "reason"], registry=r)
         self.rejected_requests = Counter("spikehound_ingest_rejected_requests",
-                                         "Whole export requests refused before decoding (bytes_in_flight: "
-                                         "told to retry later).",
+                                         "Whole export requests refused before decoding (bytes_in_flight, "
+                                         "storage_unavailable: told to retry later).",
                                          ["protocol", "reason"], registry=r)
         self.aborted_requests = Counter("spikehound_ingest_aborted_requests",
                                         "Export requests whose sender hung up before the whole body arrived.",
@@ -64,6 +64,12 @@ class CollectorTelemetry:
                                        registry=r)
         self.write_errors = Counter("spikehound_storage_write_errors", "Write batches that failed to commit.",
                                     registry=r)
+        self.storage_available = Gauge("spikehound_storage_available",
+                                       "1 while storage takes writes, 0 during an outage (the last commit failed; "
+                                       "senders are told to retry and /readyz answers 503).", registry=r)
+        self.storage_outages = Counter("spikehound_storage_outages",
+                                       "Storage outages (episodes from a failed commit to the next good one), by "
+                                       "kind: unreachable, disk_full, error.", ["kind"], registry=r)
         self.windows_closed = Counter("spikehound_latency_windows_closed",
                                       "Event-time latency windows closed and stored.", registry=r)
         self.spikes = Counter("spikehound_spikes", "Spike state changes written to storage.", ["event"], registry=r)

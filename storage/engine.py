@@ -14,6 +14,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+PG_CONNECT_TIMEOUT_SECONDS = 10
+
 
 def normalize_url(url: str) -> str:
     """Route every PostgreSQL URL through psycopg 3, whatever the user wrote."""
@@ -28,7 +30,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_size=8, max_overflow=4, pool_pre_ping=True)
+        # A server that stops answering (a partition, not a refusal) must fail a write in seconds, not hang the
+        # writer: the collector then tells senders to retry and tries again (collector/storage_health.py).
+        timeout = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_SECONDS}
+        return create_engine(url, pool_size=8, max_overflow=4, pool_pre_ping=True, connect_args=timeout)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"timeout": 30})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -268,6 +269,20 @@ def test_backpressure_is_retried_whole_not_split(queue, collector):
     assert forwarder.stats.failures["backpressure"] == 2
     assert forwarder.stats.split_requests[Signal.TRACES] == 0 and forwarder.stats.too_large[Signal.TRACES] == 0
     assert queue.max_request_bytes > LIMIT * 100  # nothing learned from backpressure
+
+
+def test_a_collector_that_names_a_delay_is_retried_after_it_not_after_our_back_off(queue, collector):
+    # Storage away for a while: the collector answers UNAVAILABLE with RetryInfo 50 ms every time. Our own
+    # back-off would have grown to 30 s by the eighth retry (about a minute of waiting in all), keeping the
+    # backlog waiting long after storage returned; the collector's word keeps each wait at 50-75 ms.
+    collector.unavailable[TRACES] = 8
+    queue.put(spans("a"))
+    started = time.monotonic()
+    forwarder = asyncio.run(flush(queue, collector, times=9))
+    waited = time.monotonic() - started
+    assert forwarder.stats.failures["unavailable"] == 8
+    assert [span_names(p) for p in collector.requests(TRACES)] == [["a"]]
+    assert waited < 10, f"{waited:.1f} s: the agent backed off on its own instead of the collector's delay"
 
 
 class Clock:

@@ -33,6 +33,7 @@ from collector.alerts.silences import Silence
 from collector.alerts.store import AlertStore
 from collector.alerts.telemetry import AlertTelemetry
 from collector.notifiers import notifier_for
+from collector.storage_health import StorageHealth
 from collector.writer_thread import WriterThread
 from spikehound.config import Config
 from spikehound.model import Spike
@@ -61,13 +62,15 @@ def public_url(cfg: Config, api_port: int) -> str:
 
 class Alerting:
     def __init__(self, cfg: Config, engine: Engine, registry: CollectorRegistry, writer_thread: WriterThread, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, health: StorageHealth | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
+        # The pipeline's view of storage: during an outage it has said so once, and alerting need not repeat it.
+        self.health = health or StorageHealth()
         self.store = AlertStore(engine, writer_thread)
         self.router = Router(cfg.alerts, clock=clock)
         self.telemetry = AlertTelemetry(registry, lambda: self.router.counts)
-        self.delivery = OutboxDelivery(cfg.alerts, self.store, self.telemetry, clock=clock)
+        self.delivery = OutboxDelivery(cfg.alerts, self.store, self.telemetry, clock=clock, health=self.health)
         self._unsaved = Decision()
         self._event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -164,8 +167,7 @@ class Alerting:
                 removed=sorted(decision.removed), outbox=entries, now_ns=int(self.clock() * NS))
         except Exception as exc:
             self.telemetry.state_errors.inc()
-            log.error("alert state not saved (%s: %s); retrying", exc.__class__.__name__,
-                      str(exc).splitlines()[0][:200] if str(exc) else "")
+            self.health.note("saving alert state (retried; nothing is lost)", exc)
             return
         self._unsaved = Decision()
         for note in decision.notifications:
@@ -189,7 +191,7 @@ class Alerting:
                 keep = self.cfg.alerts.delivered_retention_hours * 3600
                 await self.store.expire_delivered(int((now - keep) * NS))
         except Exception as exc:
-            log.error("alert housekeeping failed: %s", exc.__class__.__name__)
+            self.health.note("alert housekeeping", exc)
 
     # -- silences and the outbox, for the API --------------------------------------------------
 

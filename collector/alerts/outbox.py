@@ -39,6 +39,7 @@ import aiohttp
 from collector.alerts.store import AlertStore
 from collector.alerts.telemetry import AlertTelemetry
 from collector.notifiers import Notifier, notifier_for
+from collector.storage_health import StorageHealth
 from spikehound.backoff import Backoff
 from spikehound.config import AlertsConfig, ReceiverConfig
 from storage.alerts import OutboxRow
@@ -101,8 +102,10 @@ class OutboxDelivery:
     """Sends the outbox; one background task (:meth:`run`) per collector."""
 
     def __init__(self, cfg: AlertsConfig, store: AlertStore, telemetry: AlertTelemetry, *,
-                 clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 health: StorageHealth | None = None) -> None:
         self.store = store
+        self.health = health or StorageHealth()
         self.telemetry = telemetry
         self.clock = clock
         self.rng = rng or random.Random()
@@ -131,8 +134,7 @@ class OutboxDelivery:
                 try:
                     wait = await self.deliver_due()
                 except Exception as exc:  # storage away: try again shortly, never die
-                    log.error("alert delivery cannot read the outbox: %s: %s", exc.__class__.__name__,
-                              str(exc).splitlines()[0][:200] if str(exc) else "")
+                    self.health.note("alert delivery (reading the outbox)", exc)
                     wait = ERROR_PAUSE_SECONDS
                 if wait > 0:
                     with contextlib.suppress(TimeoutError):

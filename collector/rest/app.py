@@ -3,17 +3,20 @@ middlewares, and the OpenAPI document merged from their fragments.
 
 Middlewares, outermost first: the cross-site checks (``collector.cross_site``: Host, origin, body size and
 type), then the guard: the bearer token (except for the health endpoints and the web pages, which check it
-themselves) and :class:`~collector.rest.common.ApiError` answered as ``{"error": "..."}``.
+themselves), :class:`~collector.rest.common.ApiError` answered as ``{"error": "..."}``, and a database that
+cannot be reached answered 503 with ``Retry-After``, never 500.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
 from aiohttp import web
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from collector.alerts.alerting import Alerting
 from collector.cross_site import Site, cross_site_middleware
@@ -30,9 +33,12 @@ from collector.rest.common import (
     json_response,
 )
 from collector.rest.openapi import merge_document
+from collector.storage_health import READ_RETRY_AFTER_SECONDS, first_line
 from collector.telemetry import CollectorTelemetry
 from collector.web import routes as web_pages
 from storage.reader import Reader
+
+log = logging.getLogger("spikehound.collector.api")
 
 MAX_BODY_BYTES = 1024**2  # aiohttp's own limit on a request body, refused up front by Content-Length
 OPEN_PATHS = ("/healthz", "/readyz")  # the health endpoints: probes carry no token
@@ -62,6 +68,11 @@ def build_app(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[],
             return await handler(request)
         except ApiError as exc:
             return json_response({"error": str(exc)}, exc.status)
+        except (OperationalError, InterfaceError) as exc:  # the database is away: a retry will do, not a 500
+            log.debug("%s %s: storage unavailable: %s", request.method, request.path, first_line(exc.orig or exc))
+            response = json_response({"error": f"storage unavailable: {first_line(exc.orig or exc)}"}, 503)
+            response.headers["Retry-After"] = str(READ_RETRY_AFTER_SECONDS)
+            return response
 
     cross_site = cross_site_middleware(site or Site(), MAX_BODY_BYTES, telemetry.api_refused)
     app = web.Application(middlewares=[cross_site, guard], client_max_size=MAX_BODY_BYTES)

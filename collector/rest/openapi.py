@@ -10,8 +10,8 @@ the refusals ``collector/cross_site.py`` answers before any handler.
 {'type': 'string', 'minLength': 1}
 >>> merge_document([OpenApiFragment(paths={"/x": {"post": {"responses": {}}}})])["paths"]["/x"]["post"]["responses"]
 {'401': {'$ref': '#/components/responses/Unauthorized'}, '421': {'$ref': '#/components/responses/MisdirectedRequest'}, \
-'403': {'$ref': '#/components/responses/CrossOrigin'}, '413': {'$ref': '#/components/responses/TooLarge'}, \
-'415': {'$ref': '#/components/responses/UnsupportedMediaType'}}
+'503': {'$ref': '#/components/responses/StorageUnavailable'}, '403': {'$ref': '#/components/responses/CrossOrigin'}, \
+'413': {'$ref': '#/components/responses/TooLarge'}, '415': {'$ref': '#/components/responses/UnsupportedMediaType'}}
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ _REFUSALS = {
     "CrossOrigin": ("403", "sent on behalf of another site's page (Origin or Sec-Fetch-Site)"),
     "TooLarge": ("413", "the request body is over 1 MiB"),
     "UnsupportedMediaType": ("415", "a request body that is not application/json"),
+    # Answered by collector/rest/app.py for any handler whose read the database could not serve.
+    "StorageUnavailable": ("503", "the database cannot be reached now (restarting, stopped); retry after the "
+                                  "Retry-After header's seconds"),
 }
 
 
@@ -129,7 +132,7 @@ def _add_refusals(doc: dict[str, Any]) -> None:
     for path, operations in doc["paths"].items():
         for method, operation in operations.items():
             # The health probes are answered to any Host and carry no token (collector/rest/app.py OPEN_PATHS).
-            names = [] if path in HOST_EXEMPT_PATHS else ["Unauthorized", "MisdirectedRequest"]
+            names = [] if path in HOST_EXEMPT_PATHS else ["Unauthorized", "MisdirectedRequest", "StorageUnavailable"]
             if method not in ("get", "head", "options"):
                 names += ["CrossOrigin", "TooLarge", "UnsupportedMediaType"]
             operation["responses"].update({_REFUSALS[n][0]: {"$ref": f"#/components/responses/{n}"} for n in names})

@@ -107,9 +107,11 @@ def trace_request(service: str, spans: int = 1, host: str | None = None, trace_i
 class SdkApp:
     """An application on the SDK sending ``traces_per_second`` traces of 10 spans to the agent (300 spans/s)."""
 
-    def __init__(self, endpoint: str, service: str, traces_per_second: float = 30) -> None:
+    def __init__(self, endpoint: str, service: str, traces_per_second: float = 30,
+                 exporter: SpanExporter | None = None) -> None:
+        """``exporter`` replaces the OTLP/gRPC one to ``endpoint`` (an OTLP/HTTP exporter, say)."""
         # The default 10 s timeout: an export retries UNAVAILABLE while the agent restarts.
-        self.recording = Recording(GrpcSpanExporter(endpoint=endpoint, insecure=True, timeout=10))
+        self.recording = Recording(exporter or GrpcSpanExporter(endpoint=endpoint, insecure=True, timeout=10))
         self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "pod-7"}))
         self.provider.add_span_processor(BatchSpanProcessor(self.recording, max_export_batch_size=256,
                                                             schedule_delay_millis=100, max_queue_size=8192))
