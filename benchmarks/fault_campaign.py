@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 
@@ -148,12 +148,13 @@ class Run:
         url = self.storage_url()
         config = self.workdir / "collector.toml"
         config.write_text(alert_config(hook_url))
-        self.collector = CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)}).start(120)
+        self.collector = retried(lambda: CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)}),
+                                 120)
         for host in self.dataset.hosts:
-            agent = AgentProcess(self.collector.grpc_endpoint, self.workdir / f"agent-{host}", interval=86400,
-                                 env={"SPIKEHOUND_AGENT_HOST_NAME": host})
-            agent.workdir.mkdir(parents=True, exist_ok=True)
-            self.agents.append(agent.start(60))
+            workdir = self.workdir / f"agent-{host}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            self.agents.append(retried(lambda w=workdir, h=host, g=self.collector.grpc_endpoint: AgentProcess(
+                g, w, interval=86400, env={"SPIKEHOUND_AGENT_HOST_NAME": h}), 60))
 
     def stop(self) -> None:
         for agent in self.agents:
@@ -199,17 +200,18 @@ class Run:
 
     def execute(self) -> RunResult:
         started = time.monotonic()
-        with WebhookReceiver() as hook:
-            try:
-                self.start(hook.url)
-                self.drive()
-                self.settle(hook)
-                self.check(hook)
-            except Exception as exc:  # the run is reported as failed, the campaign goes on
-                self.result.notes.append(f"run failed: {exc.__class__.__name__}: {str(exc)[:2000]}")
-            finally:
-                self.collect_logs()
-                self.stop()
+        try:
+            with WebhookReceiver() as hook:
+                try:
+                    self.start(hook.url)
+                    self.drive()
+                    self.settle(hook)
+                    self.check(hook)
+                finally:
+                    self.collect_logs()
+                    self.stop()
+        except Exception as exc:  # the run is reported as failed, the campaign goes on
+            self.result.notes.append(f"run failed: {exc.__class__.__name__}: {str(exc)[:2000]}")
         self.result.wall_s = time.monotonic() - started
         return self.result
 
@@ -359,6 +361,13 @@ class Run:
             self.result.notes.append("10,000 spikes or more: the list is cut")
         self.result.spikes = {k: list(v) for k, v in spike_summary(spikes).items()}
         self.result.notifications = sorted(list(n) for n in hook.notifications())
+        samples = scrape(self.collector.api)
+        outages = {dict(labels).get("kind", ""): v for (name, labels), v in samples.items()
+                   if name == "spikehound_storage_outages_total" and v}
+        refused = total(samples, "spikehound_ingest_rejected_requests_total", reason="storage_unavailable")
+        if outages or refused:
+            self.result.notes.append(f"the collector (since its last start) counted storage outages {outages}, "
+                                     f"{refused:.0f} requests refused as storage_unavailable")
         acked, lost, dup = served_once(self.collector.api, self._acked)
         self.result.lost, self.result.duplicated = lost, dup
         if acked != self.result.acked:
@@ -372,6 +381,22 @@ class Run:
             if lines:
                 self.result.log_excerpts.append(f"{path.relative_to(self.workdir)}: {len(lines)} line(s), first: "
                                                 + " | ".join(ln[:300] for ln in lines[:3]))
+
+
+D = TypeVar("D", CollectorProcess, AgentProcess)
+
+
+def retried(make: Callable[[], D], timeout: float, tries: int = 3) -> D:
+    """``make()`` a daemon and start it; again on new ports when it fails (a port another process took between
+    free_port() and the daemon's bind: parallel runs, other tests on the machine)."""
+    for attempt in range(tries):
+        daemon = make()
+        try:
+            return daemon.start(timeout)
+        except RuntimeError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def fill(path: Path) -> int:

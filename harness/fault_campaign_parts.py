@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -31,7 +32,6 @@ import requests
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from harness.ports import free_port
 from spikehound.model import Span
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
@@ -157,7 +157,9 @@ class WebhookReceiver:
     """A webhook receiver on loopback (aiohttp on its own thread) that keeps every notification's body."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        # Bound here, not picked by free_port(): receivers started at once in parallel runs must not race for one.
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._socket.getsockname()[1])
         self.bodies: list[dict[str, Any]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="webhook", daemon=True)
@@ -176,7 +178,7 @@ class WebhookReceiver:
         app.router.add_post("/{path:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.SockSite(self._runner, self._socket).start()
 
     def __enter__(self) -> WebhookReceiver:
         self._thread.start()
