@@ -371,7 +371,8 @@ class Run:
         acked, lost, dup = served_once(self.collector.api, self._acked)
         self.result.lost, self.result.duplicated = lost, dup
         if acked != self.result.acked:
-            self.result.notes.append(f"{self.result.acked - acked} acked spans acked twice by the senders' count")
+            self.result.notes.append(f"{self.result.acked - acked} (trace, span) keys were acknowledged more than "
+                                     "once (the dataset repeats them)")
 
     def collect_logs(self) -> None:
         """Lines at ERROR or worse, and tracebacks, from every collector and agent log of the run."""
