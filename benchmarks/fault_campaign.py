@@ -13,8 +13,10 @@ What runs
 A deterministic dataset (:func:`harness.fault_campaign_parts.build_dataset`): the scenario suite's inference
 traffic (20 requests/s through gateway, preprocess, model server, postprocess on hosts edge-1, gpu-1..3),
 seeded, with latency faults (by default slow_db, queue_wait and downstream_slow, 30 s each after a 130 s
-warm-up, 40 s apart: the shortest timeline that gives three spikes), event times anchored to 2026-01-01 so
-that spike ids are the same in every run. Spans only: each agent's own samples are real and dated now.
+warm-up, 40 s apart: the shortest timeline that gives three spikes), built again for each run with its
+event time starting at the run's first whole minute, so that it arrives as live traffic: what agents spool
+through a fault is data from before it. Spikes are compared by stream and start relative to the run's.
+Spans only: the agents' own samples (one at start) are real, and would differ between runs.
 One sender thread per host posts its host's spans as OTLP/HTTP protobuf to its own ``spikehound agent``
 (own spool, ``agent.host_name`` = the host, sampling once at start) at real-time pace: second ``i`` of
 event time once ``i + 1`` wall seconds have passed. A span is acknowledged when its agent answered 200.
@@ -29,8 +31,8 @@ deleted; RLIMIT_FSIZE on the collector where mounting is not possible).
 
 After each run: every agent's queue empty, detection settled (no open window, every judged window written),
 the alert outbox empty; then every acknowledged span looked up through ``GET /api/v1/traces/{id}`` (lost:
-not served, duplicated: served more than once), the spikes (``GET /api/v1/spikes``: id, service, operation,
-start, state, top cause) and the notifications (set of (spike id, status, cause)) compared with the
+not served, duplicated: served more than once), the spikes (``GET /api/v1/spikes``: service, operation,
+start, state, top cause) and the notifications (set of (spike, status, cause)) compared with the
 fault-free run, every difference printed. Recovery: from the fault's end (restart issued, PostgreSQL
 started, filler deleted) until ``/readyz`` answers 200 and the agents' forwarded counters move.
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -63,6 +66,8 @@ import requests
 from harness.api_client import list_spikes
 from harness.daemons import AgentProcess, CollectorProcess, detection_settled
 from harness.fault_campaign_parts import (
+    EPOCH_NS,
+    NS,
     Dataset,
     PacedSender,
     Recovery,
@@ -70,7 +75,9 @@ from harness.fault_campaign_parts import (
     alert_config,
     build_dataset,
     compare_spikes,
+    next_start_ns,
     served_once,
+    spike_key,
     spike_summary,
     wait_recovery,
 )
@@ -111,8 +118,10 @@ class RunResult:
 class Run:
     """One run: its storage, collector, agents, webhook receiver and senders."""
 
-    def __init__(self, kind: str, dataset: Dataset, workdir: Path, args: argparse.Namespace) -> None:
-        self.kind, self.dataset, self.workdir, self.args = kind, dataset, workdir, args
+    def __init__(self, kind: str, dataset: Callable[[int], Dataset], workdir: Path, args: argparse.Namespace) -> None:
+        # The dataset is built again for each run, starting where the run starts: it is sent as live traffic.
+        self.kind, self.make_dataset, self.workdir, self.args = kind, dataset, workdir, args
+        self.dataset = dataset(EPOCH_NS)
         self.result = RunResult(kind, workdir=str(workdir))
         self.pg: PostgresServer | None = None
         self.mount: Path | None = None
@@ -217,7 +226,8 @@ class Run:
 
     def drive(self) -> None:
         stop = threading.Event()
-        self.start_wall = time.time() + 1.0
+        self.dataset = self.make_dataset(next_start_ns())
+        self.start_wall = self.dataset.epoch_ns / NS
         senders = [PacedSender(host, agent.http_endpoint, self.dataset.by_host[host], self.start_wall, stop)
                    for host, agent in zip(self.dataset.hosts, self.agents, strict=True)]
         for s in senders:
@@ -359,8 +369,11 @@ class Run:
         spikes = list_spikes(self.collector.api, limit=10_000)
         if len(spikes) >= 10_000:
             self.result.notes.append("10,000 spikes or more: the list is cut")
-        self.result.spikes = {k: list(v) for k, v in spike_summary(spikes).items()}
-        self.result.notifications = sorted(list(n) for n in hook.notifications())
+        epoch = self.dataset.epoch_ns
+        self.result.spikes = {k: list(v) for k, v in spike_summary(spikes, epoch).items()}
+        keys = {s["id"]: spike_key(s, epoch) for s in spikes}
+        self.result.notifications = sorted([keys.get(i, f"unknown spike {i}"), status, cause]
+                                           for i, status, cause in hook.notifications())
         samples = scrape(self.collector.api)
         outages = {dict(labels).get("kind", ""): v for (name, labels), v in samples.items()
                    if name == "spikehound_storage_outages_total" and v}
@@ -480,8 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     faults = tuple(f for f in args.dataset_faults.split(",") if f)
     base = args.warmup + len(faults) * (args.fault_seconds + args.gap)
     tail = max(0.0, max(needs[k] for k in kinds) + 50 - base)
-    dataset = build_dataset(faults, warmup_s=args.warmup, fault_s=args.fault_seconds, gap_s=args.gap, tail_s=tail,
-                            seed=args.seed)
+    make_dataset = functools.partial(build_dataset, faults, warmup_s=args.warmup, fault_s=args.fault_seconds,
+                                     gap_s=args.gap, tail_s=tail, seed=args.seed)
+    dataset = make_dataset(epoch_ns=EPOCH_NS)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="spikehound-fault-campaign-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.chmod(workdir, 0o755)
@@ -489,7 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({', '.join(dataset.hosts)}), latency faults {[(f, a, b) for f, a, b in dataset.faults]}; runs in "
           f"{workdir}", flush=True)
     started = time.monotonic()
-    runs = [Run(kind, dataset, workdir / kind, args) for kind in ("fault-free", *kinds)]
+    runs = [Run(kind, lambda epoch: make_dataset(epoch_ns=epoch), workdir / kind, args)
+            for kind in ("fault-free", *kinds)]
     for run in runs:
         run.workdir.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()

@@ -1,16 +1,18 @@
 """Pieces of the storage-fault campaign (``benchmarks/fault_campaign.py``) that tests may share.
 
 * :func:`build_dataset`: deterministic span traffic (the scenario suite's generator, seeded, several faults
-  chained one after another on one continuous timeline) anchored to a fixed past epoch, cut per second and per
-  host, each (second, host) already encoded as an OTLP ``ExportTraceServiceRequest``.
+  chained one after another on one continuous timeline) anchored at the run's own start, so that it arrives as
+  live traffic does (backlogs after a fault are data from before it, live data is not); cut per second and
+  per host, each (second, host) already encoded as an OTLP ``ExportTraceServiceRequest``.
 * :class:`PacedSender`: one thread that posts its host's requests to one agent's OTLP/HTTP receiver at
   real-time pace (second ``i`` of event time once ``i + 1`` wall seconds have passed since the start),
   retrying what is refused, and records every span the agent acknowledged.
 * :class:`WebhookReceiver`: a local Alertmanager-style webhook receiver that records every notification.
 * :func:`served_once`: every acknowledged span checked against ``GET /api/v1/traces/{id}``.
-* :func:`spike_summary`, :func:`compare_spikes`: what is compared between a faulted and a fault-free run.
+* :func:`spike_summary`, :func:`compare_spikes`: what is compared between a faulted and a fault-free run:
+  spikes by their stream and their start relative to the run's, since the runs start at different times.
 
->>> ds = build_dataset(("slow_db",), warmup_s=20, fault_s=5, gap_s=5, seed=1)
+>>> ds = build_dataset(("slow_db",), warmup_s=20, fault_s=5, gap_s=5, seed=1, epoch_ns=EPOCH_NS)
 >>> ds.seconds >= 30, sorted(ds.hosts), ds.spans > 1000
 (True, ['edge-1', 'gpu-1', 'gpu-2', 'gpu-3'], True)
 """
@@ -35,11 +37,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from spikehound.model import Span
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
+from spikehound.timefmt import parse_time
 
 NS = 1_000_000_000
-# 2026-01-01T00:00:00Z, on the 10 s window grid: every run of the same dataset has the same event times, so the
-# same spikes get the same ids.
-EPOCH_NS = 1_767_225_600 * NS
+EPOCH_NS = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z: where a dataset built only to be described starts
+GRID_NS = 60 * NS  # runs start on a whole minute: the windows (10 s) cut every run's traffic alike
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 SpanKey = tuple[str, str]  # (trace id hex, span id hex)
 
@@ -52,14 +54,21 @@ class Dataset:
     by_host: dict[str, list[tuple[int, bytes, list[SpanKey]]]]
     spans: int
     faults: list[tuple[str, float, float]]  # (fault, onset s, end s) from the dataset's start
+    epoch_ns: int  # where its event time starts
 
     @property
     def hosts(self) -> list[str]:
         return list(self.by_host)
 
 
+def next_start_ns(lead_s: float = 3.0) -> int:
+    """The first whole minute at least ``lead_s`` from now: where a run's event time starts."""
+    earliest = time.time_ns() + int(lead_s * NS)
+    return -(-earliest // GRID_NS) * GRID_NS
+
+
 def build_dataset(faults: Sequence[str], *, warmup_s: float = 150.0, fault_s: float = 40.0, gap_s: float = 60.0,
-                  tail_s: float = 0.0, seed: int = 7, rate: float = 20.0) -> Dataset:
+                  tail_s: float = 0.0, seed: int = 7, rate: float = 20.0, epoch_ns: int) -> Dataset:
     """Normal traffic for ``warmup_s``, then each fault for ``fault_s`` followed by ``gap_s`` of normal traffic,
     then ``tail_s`` more of normal traffic; one segment per fault, each its own seeded scenario, back to back.
 
@@ -72,12 +81,12 @@ def build_dataset(faults: Sequence[str], *, warmup_s: float = 150.0, fault_s: fl
     for i, fault in enumerate(faults):
         lead = warmup_s if i == 0 else 0.0
         length = lead + fault_s + gap_s + (tail_s if i == len(faults) - 1 else 0.0)
-        start_ns = EPOCH_NS + int(offset_s * NS)
+        start_ns = epoch_ns + int(offset_s * NS)
         sc = Scenario(fault, "large", seed=seed + i, minutes=length / 60, onset_s=lead, fault_s=fault_s, rate=rate,
                       start_ns=start_ns)
         marks.append((fault, offset_s + lead, offset_s + lead + fault_s))
         for batch in sc.batches():
-            per_second[(batch.time_ns - EPOCH_NS) // NS].extend(batch.spans)
+            per_second[(batch.time_ns - epoch_ns) // NS].extend(batch.spans)
         offset_s += length
     seconds = max(per_second) + 1
     by_host: dict[str, list[tuple[int, bytes, list[SpanKey]]]] = defaultdict(list)
@@ -90,7 +99,7 @@ def build_dataset(faults: Sequence[str], *, warmup_s: float = 150.0, fault_s: fl
             keys = [(s.trace_id.hex(), s.span_id.hex()) for s in spans]
             by_host[host].append((second, encode_spans(spans).SerializeToString(), keys))
             total += len(spans)
-    return Dataset(seconds, dict(sorted(by_host.items())), total, marks)
+    return Dataset(seconds, dict(sorted(by_host.items())), total, marks, epoch_ns)
 
 
 class PacedSender(threading.Thread):
@@ -259,9 +268,18 @@ def _top_cause(spike: dict[str, Any]) -> tuple[Any, ...] | None:
     return (c["kind"], c["service"], c["operation"], c["peer_service"], c["host"], c["resource"])
 
 
-def spike_summary(spikes: Iterable[dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
-    """id -> (service, operation, start, state, top cause (kind, service, operation, peer, host, resource))."""
-    return {s["id"]: (s["service"], s["operation"], s["start"], s["state"], _top_cause(s)) for s in spikes}
+def spike_key(spike: dict[str, Any], epoch_ns: int) -> str:
+    """A spike named as runs of the same dataset started at different times can compare it: its stream and its
+    start in seconds after the run's."""
+    start_s = (parse_time(spike["start"]) - epoch_ns) / NS
+    return f"{spike['service']} {spike['operation']!r} peer={spike.get('peer_service')} +{start_s:.0f}s"
+
+
+def spike_summary(spikes: Iterable[dict[str, Any]], epoch_ns: int) -> dict[str, tuple[Any, ...]]:
+    """key (see spike_key) -> (service, operation, start offset s, state, top cause (kind, service, operation,
+    peer, host, resource))."""
+    return {spike_key(s, epoch_ns): (s["service"], s["operation"], (parse_time(s["start"]) - epoch_ns) // NS,
+                                     s["state"], _top_cause(s)) for s in spikes}
 
 
 def compare_spikes(expected: dict[str, tuple[Any, ...]], got: dict[str, tuple[Any, ...]]) -> list[str]:
