@@ -8,7 +8,9 @@ far shorter than an outage: those spans would count as late. So an episode's
 end, and a start from a checkpoint, begin a catch-up: the watermark is held
 where it was until, for ``quiet_seconds``, no *backlog* span arrived (one
 that ended before the catch-up began, by the collector's clock), or at most
-``most_seconds``; then the hold is released and the windows close in one step.
+``most_seconds``, or until ``most_spans`` spans arrived while held (open windows keep each entry span's
+duration: live traffic must not grow them without end); then the hold is released and the windows close,
+a window at a time, as live traffic would have closed them.
 Live spans never count as backlog, however late an SDK exports them (its batch
 delay is 5 s by default), so a catch-up after a short outage ends about
 ``quiet_seconds`` after the last spooled span arrived.
@@ -31,19 +33,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["MOST_SECONDS", "NS", "CatchUp"]
+__all__ = ["MOST_SECONDS", "MOST_SPANS", "NS", "CatchUp"]
 
 NS = 1_000_000_000
 MOST_SECONDS = 600.0  # a sender that never drains must not hold the windows for ever
+MOST_SPANS = 5_000_000  # spans arrived while held: at most about 1 GB of held window entries
 
 
 class CatchUp:
     """Whether the windows are held for a backlog, and when it has drained (see the module)."""
 
-    def __init__(self, quiet_seconds: float, *, most_seconds: float = MOST_SECONDS,
+    def __init__(self, quiet_seconds: float, *, most_seconds: float = MOST_SECONDS, most_spans: int = MOST_SPANS,
                  clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns) -> None:
         self.quiet_seconds = quiet_seconds
         self.most_seconds = most_seconds
+        self.most_spans = most_spans
+        self.held_spans = 0  # arrived since the catch-up began
         self.clock = clock  # seconds, for the quiet period and the limit
         self.wall_ns = wall_ns  # when the catch-up began, as the spans' end times say it
         self.active = False
@@ -59,13 +64,15 @@ class CatchUp:
         now = self.clock()
         if not self.active:
             self._began = now
+            self.held_spans = 0
             self.episodes += 1
         self.active = True
         self._began_ns = self.wall_ns()
         self._last_backlog = now
 
-    def arrived(self, oldest_end_ns: int) -> None:
-        """A committed batch whose earliest span ended at ``oldest_end_ns``."""
+    def arrived(self, oldest_end_ns: int, spans: int = 0) -> None:
+        """A committed batch of ``spans`` spans whose earliest ended at ``oldest_end_ns``."""
+        self.held_spans += spans
         if self.active and oldest_end_ns < self._began_ns:
             self._last_backlog = self.clock()
 
@@ -74,7 +81,8 @@ class CatchUp:
         if not self.active:
             return False
         now = self.clock()
-        if now - self._last_backlog >= self.quiet_seconds or now - self._began >= self.most_seconds:
+        if (now - self._last_backlog >= self.quiet_seconds or now - self._began >= self.most_seconds
+                or self.held_spans >= self.most_spans):
             self.active = False
             return True
         return False

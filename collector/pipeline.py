@@ -44,6 +44,7 @@ TICK_SECONDS = 0.5
 RETENTION_INTERVAL_SECONDS = 300.0
 REPLAY_BLOCKS = 256  # span blocks read and fed to the detectors at a time when replaying after a restart
 REPLAY_POINTS = 20_000  # metric points likewise
+NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
 
 
 class IngestPipeline:
@@ -134,6 +135,9 @@ class IngestPipeline:
         """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
         found = await self._restore_checkpoint()
         if found is not None:
+            # Senders that spooled while the collector was down send their backlogs now; and what was committed
+            # after the checkpoint is replayed into windows that must stay open as they were before the kill.
+            await self._begin_catch_up()
             await self._replay_committed(found)
         self._open_windows = self.engine.windows.open_windows
         self._open_ids = {s.id for s in self.engine.open_spikes()}
@@ -148,9 +152,6 @@ class IngestPipeline:
             log.warning("%d spike(s) open in storage are not in the detectors' checkpoint (the collector stopped "
                         "without saving it): they will be closed at their last anomalous window once event time "
                         "passes it: %s", len(self._orphans), ", ".join(s.id for s in self._orphans[:10]))
-        if found is not None:  # senders that spooled while the collector was down send their backlogs now
-            self.catch_up.begin()
-            await self.writer_thread.run(self._sync_hold)
 
     async def _replay_committed(self, found: checkpoints.Checkpoint) -> None:
         """Feed the restored detectors what was committed after their checkpoint (the collector was killed
@@ -186,25 +187,43 @@ class IngestPipeline:
                  "in %.2f s", spans, points, time.perf_counter() - started)
 
     def _take(self, detected: Detection) -> None:
-        """Keep a detector step's windows and spikes for the next commit."""
+        """Keep a detector step's windows and spikes for the next commit: every state, in order (a spike that
+        opened and resolved since the last commit is announced and alerted as both; the writer keeps the last)."""
         self._pending.windows.extend(detected.windows)
-        if detected.spikes:  # one state per spike, its latest: the writer and the listeners want each once
-            latest = {s.id: s for s in self._pending.spikes}
-            latest.update((s.id, s) for s in detected.spikes)
-            self._pending.spikes = list(latest.values())
+        self._pending.spikes.extend(detected.spikes)
 
-    def _sync_hold(self) -> None:
-        """On the writer thread: hold the windows' watermark while catching up, release it (closing what the
-        data allows, in one step) once the backlog drained."""
+    async def _begin_catch_up(self) -> None:
+        """Hold the windows where the data has brought them, before any backlog reaches the detectors."""
+        self.catch_up.begin()
+        await self.writer_thread.run(self._set_hold)
+
+    def _set_hold(self) -> None:
+        """On the writer thread: cap the windows' watermark where it is (see CatchUp)."""
         windows = self.engine.windows
-        if self.catch_up.active:
-            if windows.hold is None:  # before any span, nothing may close either
-                held = windows.data_watermark
-                self.engine.hold(held if held is not None else -(2**62))
-        elif windows.hold is not None:
-            log.info("caught up: the senders' backlogs have arrived; windows held open close now")
-            self.engine.hold(None)
-            self._take(self._detect(self.engine.advance))
+        if self.catch_up.active and windows.hold is None:
+            held = windows.data_watermark
+            self.engine.hold(held if held is not None else NO_DATA_YET)
+
+    def _release_hold(self) -> None:
+        """On the writer thread: the backlog has arrived; move the held watermark to where the data is, a window
+        at a time, as live traffic would have moved it (each step's spike states are kept, in order)."""
+        windows = self.engine.windows
+        held, target = windows.hold, windows.data_watermark
+        if held is None:
+            return
+        steps = 0
+        earliest = windows.earliest_open_ns
+        if target is not None and earliest is not None:
+            at = max(held, earliest)
+            while at < target:
+                at = min(at + self.settings.window_ns, target)
+                self.engine.hold(at)
+                self._take(self._detect(self.engine.advance))
+                steps += 1
+        self.engine.hold(None)
+        self._take(self._detect(self.engine.advance))
+        log.info("caught up: the senders' backlogs have arrived; the windows held open were closed in %d step(s)",
+                 steps + 1)
 
     def _close_orphans(self) -> None:
         """Resolve the spikes restore() found orphaned whose last anomalous window event time has passed."""
@@ -271,6 +290,10 @@ class IngestPipeline:
     async def _commit(self, taken: list[Submission]) -> None:
         spans = [s for sub in taken for s in sub.spans]
         points = [p for sub in taken for p in sub.points]
+        if not self.health.available and not self.catch_up.active:
+            # An attempt during an outage: if it succeeds, backlogs follow, and this batch may already hold
+            # live data; the windows are held before it reaches the detectors.
+            await self._begin_catch_up()
         pending = self._pending
         try:
             blocks = [SpanBlock(sub.payload, sub.spans) for sub in taken if sub.spans]
@@ -296,7 +319,7 @@ class IngestPipeline:
         self._written(pending)
         self._pending = detected
         if self.catch_up.active and spans:
-            self.catch_up.arrived(min(s.end_unix_nano for s in spans))
+            self.catch_up.arrived(min(s.end_unix_nano for s in spans), len(spans))
         await self._catch_up_step()
         if self._orphans:
             self._close_orphans()
@@ -315,12 +338,11 @@ class IngestPipeline:
 
     async def _catch_up_step(self) -> None:
         """Release the hold once the backlog drained (see CatchUp)."""
-        if self.engine.windows.hold is not None and (self.catch_up.done() or not self.catch_up.active):
-            await self.writer_thread.run(self._sync_hold)
+        if (self.catch_up.active and self.catch_up.done()) or (
+                not self.catch_up.active and self.engine.windows.hold is not None):
+            await self.writer_thread.run(self._release_hold)
 
     def _add_and_advance(self, batch: WriteBatch) -> Detection:
-        if self.catch_up.active and self.engine.windows.hold is None:
-            self._sync_hold()
         self.engine.add(batch.spans, batch.points)
         return self.engine.advance()
 
@@ -426,8 +448,12 @@ class IngestPipeline:
 
     async def _backoff(self, exc: Exception) -> None:
         """After a failed write: wait until the next attempt is due (the receivers refuse meanwhile)."""
+        began = not self.health.episode
+        delay = self.health.failed(exc)
+        if began:  # the windows open now stay open until the senders' backlogs have come in after it
+            await self._begin_catch_up()
         # The step, not a draw: there is one writer, with no crowd of retries to spread out.
-        await asyncio.sleep(self.health.failed(exc))
+        await asyncio.sleep(delay)
 
     async def _probe(self) -> None:
         """During an outage with no sender's data to try: a real write tells whether storage is back."""
@@ -437,6 +463,7 @@ class IngestPipeline:
         try:
             await self.writer_thread.run(self._save_checkpoint)  # sizeable, so a full disk does not pass it
         except Exception as exc:
+            self.telemetry.write_errors.inc()
             await self._backoff(exc)
             return
         self._storage_wrote()

@@ -27,6 +27,8 @@ import math
 import time
 from collections.abc import Callable
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from collector.telemetry import CollectorTelemetry
 from spikehound.backoff import Backoff
 
@@ -84,6 +86,16 @@ def classify(exc: BaseException) -> str:
     if any(words in text for words in _UNREACHABLE_WORDS):
         return "unreachable"
     return "error"
+
+
+# What a read raises when the database cannot serve it (down, restarting, out of reach): the API and the pages
+# answer it 503 with Retry-After, not 500.
+DATABASE_AWAY = (OperationalError, InterfaceError)
+
+
+def read_refusal(exc: OperationalError | InterfaceError) -> str:
+    """What a read the database could not serve is answered with (and logged at debug level)."""
+    return f"storage unavailable: {first_line(exc.orig or exc)}"
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
@@ -180,8 +192,12 @@ class StorageHealth:
                 self.telemetry.storage_outages.labels(outage).inc()
 
     def note(self, part: str, exc: BaseException) -> None:
-        """Another writer's failure (``part`` names it): logged once per episode, at ERROR when none is known."""
-        if self.available:
+        """Another writer's failure (``part`` names it): logged once per episode. A database that cannot be
+        reached or a full disk starts an episode (with no traffic, only these writers find out); any other
+        error is that part's own, logged at ERROR."""
+        if not self.episode and classify(exc) != "error":
+            self.failed(exc)
+        if not self.episode:
             log.error("%s failed: %s", part, first_line(exc))
         elif part not in self._noted:
             self._noted.add(part)

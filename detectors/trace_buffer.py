@@ -81,11 +81,14 @@ class TraceBuffer:
         earlier in ``spans`` (a retried export whose commit succeeded but whose answer was lost): ``spans``
         itself when none repeats.
 
-        The check rides on the look-up of each span's trace that buffering does anyway: a span of a new
-        trace is new; one of a trace with few buffered spans is compared with them; a larger trace gets a
-        set of its span ids, counted in ``bytes`` (SPAN_ID_BYTES a span) and dropped with the trace.
+        The check rides on the look-up of each span's trace that buffering does anyway: a span of a trace
+        first seen in this call is taken as new (a repeat within one export is a sender's bug, not a retry,
+        and most spans of a batch are of such traces); one of a trace with few buffered spans is compared
+        with them; a larger trace gets a set of its span ids, counted in ``bytes`` (SPAN_ID_BYTES a span)
+        and dropped with the trace.
         """
         traces, ids = self._traces, self._ids
+        fresh: set[bytes] = set()  # traces first seen in this call
         if self._index:
             self._index = {}
         long_names = self._long_names
@@ -96,6 +99,9 @@ class TraceBuffer:
             records = traces.get(trace_id)
             if records is None:
                 traces[trace_id] = records = []
+                fresh.add(trace_id)
+            elif trace_id in fresh:
+                pass
             elif len(records) <= _SCAN_SPANS:
                 span_id = s.span_id
                 repeat = False

@@ -397,6 +397,11 @@ class LatencyWindows:
         return self._watermark
 
     @property
+    def earliest_open_ns(self) -> int | None:
+        """The start of the earliest window still open (None when none is)."""
+        return min(self._starts(), default=None)
+
+    @property
     def data_watermark(self) -> int | None:
         """The watermark the data alone (and idle advances) reached, ignoring ``hold``."""
         return self._watermark

@@ -14,7 +14,10 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
-PG_CONNECT_TIMEOUT_SECONDS = 10
+# libpq's: give up connecting after 10 s; and on an open connection whose server went silent (a partition, a
+# host gone without a reset), fail within about 30 s instead of the kernel's 15 minutes of retransmissions.
+PG_TIMEOUTS = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+               "keepalives_count": 3, "tcp_user_timeout": 30_000}
 
 
 def normalize_url(url: str) -> str:
@@ -30,10 +33,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        # A server that stops answering (a partition, not a refusal) must fail a write in seconds, not hang the
-        # writer: the collector then tells senders to retry and tries again (collector/storage_health.py).
-        timeout = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_SECONDS}
-        return create_engine(url, pool_size=8, max_overflow=4, pool_pre_ping=True, connect_args=timeout)
+        # A server that stops answering (a partition, not a refusal) must fail a write within half a minute, not
+        # hang the writer: the collector then tells senders to retry and tries again (collector/storage_health.py).
+        given = {k: v for k, v in PG_TIMEOUTS.items() if k not in parsed.query}  # the URL's own settings win
+        return create_engine(url, pool_size=8, max_overflow=4, pool_pre_ping=True, connect_args=given)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"timeout": 30})

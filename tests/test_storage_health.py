@@ -99,15 +99,16 @@ def test_a_nearly_full_disk_that_takes_some_writes_is_still_one_episode(caplog: 
     assert telemetry.registry.get_sample_value("spikehound_storage_outages_total", {"kind": "disk_full"}) == 1
 
 
-def test_other_writers_failures_are_not_repeated_during_an_episode(caplog: pytest.LogCaptureFixture):
+def test_other_writers_failures_start_an_episode_and_are_not_repeated_during_it(caplog: pytest.LogCaptureFixture):
     health = StorageHealth(clock=Clock())
     caplog.set_level(logging.INFO, "spikehound.collector.storage")
+    health.note("alert housekeeping", sqlite3.IntegrityError("UNIQUE constraint failed"))  # its own error
+    assert health.available
     error = postgres_unreachable()
-    health.note("alert housekeeping", error)  # no episode known: said as an error
-    health.failed(error)
-    for _ in range(10):
+    for _ in range(10):  # with no traffic, alerting is what finds the database gone: the episode starts
         health.note("alert housekeeping", error)
         health.note("detector checkpoint", error)
+    assert not health.available and health.kind == "unreachable"
     said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records]
     assert said == [("ERROR", "alert housekeeping failed"), ("ERROR", "storage unavailable (unreachable"),
                     ("WARNING", "alert housekeeping waits for storage (unreachable)"),

@@ -16,7 +16,6 @@ from functools import cache
 from typing import Any
 
 from aiohttp import web
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from collector.alerts.alerting import Alerting
 from collector.cross_site import Site, cross_site_middleware
@@ -33,7 +32,7 @@ from collector.rest.common import (
     json_response,
 )
 from collector.rest.openapi import merge_document
-from collector.storage_health import READ_RETRY_AFTER_SECONDS, first_line
+from collector.storage_health import DATABASE_AWAY, READ_RETRY_AFTER_SECONDS, read_refusal
 from collector.telemetry import CollectorTelemetry
 from collector.web import routes as web_pages
 from storage.reader import Reader
@@ -68,9 +67,9 @@ def build_app(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[],
             return await handler(request)
         except ApiError as exc:
             return json_response({"error": str(exc)}, exc.status)
-        except (OperationalError, InterfaceError) as exc:  # the database is away: a retry will do, not a 500
-            log.debug("%s %s: storage unavailable: %s", request.method, request.path, first_line(exc.orig or exc))
-            response = json_response({"error": f"storage unavailable: {first_line(exc.orig or exc)}"}, 503)
+        except DATABASE_AWAY as exc:  # a retry will do, not a 500; the pipeline says it once in the log
+            log.debug("%s %s: %s", request.method, request.path, read_refusal(exc))
+            response = json_response({"error": read_refusal(exc)}, 503)
             response.headers["Retry-After"] = str(READ_RETRY_AFTER_SECONDS)
             return response
 

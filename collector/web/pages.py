@@ -23,11 +23,10 @@ import jinja2
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from collector.rest.auth import bearer_ok
 from collector.rest.common import run_blocking
-from collector.storage_health import READ_RETRY_AFTER_SECONDS, first_line
+from collector.storage_health import DATABASE_AWAY, READ_RETRY_AFTER_SECONDS, read_refusal
 from collector.web import charts, links, session
 from collector.web.streams import streams_now
 from collector.web.waterfall import Group, Row, Waterfall, layout, mark_grown
@@ -203,8 +202,8 @@ class WebPages:
             except PageError as exc:
                 self.rejected.labels(exc.reason).inc()
                 return self._html(self.render("error.html", title=exc.title, message=str(exc)), exc.status)
-            except (OperationalError, InterfaceError) as exc:  # the database is away: said once by the pipeline
-                log.debug("page %s: storage unavailable: %s", request.path, first_line(exc.orig or exc))
+            except DATABASE_AWAY as exc:  # a retry will do, not a 500; the pipeline says it once in the log
+                log.debug("page %s: %s", request.path, read_refusal(exc))
                 page = self._html(self.render("error.html", title="Storage is unavailable",
                                               message="The collector cannot reach its database right now; "
                                                       "reload in a few seconds. Its /readyz says why."), 503)
