@@ -147,8 +147,9 @@ class CollectorConfig:
     allowed_lateness_seconds: float = 5.0
     # After this much wall-clock idleness the watermark catches up and open windows close.
     idle_flush_seconds: float = 3.0
-    # After a storage outage or a restart from a checkpoint, windows wait until no backlog span (older than
-    # its arrival less the allowed lateness) arrived for this long (at most 10 minutes): senders drain unevenly.
+    # After a storage outage or a restart from a checkpoint, windows wait until no backlog span (one that ended
+    # before the outage ended or the collector started) arrived for this long (at most 10 minutes, or 5 million
+    # spans held): senders drain their spools unevenly.
     catch_up_seconds: float = 15.0
     # Most (service, operation) latency streams tracked; the rest are counted as overflow.
     max_streams: int = 10_000
