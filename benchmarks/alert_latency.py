@@ -52,7 +52,6 @@ non-zero only when no alert arrived at all.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import shutil
@@ -60,14 +59,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import requests
-from aiohttp import web
 
 from harness.ports import free_port
+from harness.webhook_receiver import WebhookReceiver
 from spikehound.otlp import encode_points, encode_spans
 from spikehound.scenarios.traffic import Batch, Scenario
 
@@ -76,41 +74,6 @@ WINDOW_S = 10
 LATENESS_S = 5
 LEAD_S = 20  # the sender is in real time from this long before the onset
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
-
-
-class Receiver:
-    """A webhook receiver on loopback that notes when each POST arrived."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.arrivals: list[tuple[float, bytes]] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        self.arrivals.append((time.time(), body))
-        return web.Response(text="ok")
-
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    def __enter__(self) -> Receiver:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 def start_collector(workdir: Path, hook_url: str) -> tuple[subprocess.Popen[bytes], int, int]:
@@ -180,8 +143,8 @@ def run_trial(offset_s: float, timeout_s: float) -> Trial:
     window_end = (int(onset_wall) // WINDOW_S + 1) * WINDOW_S
     closes_at = window_end + LATENESS_S  # the watermark passes the window's end once data this late arrived
 
-    with tempfile.TemporaryDirectory(prefix="spikehound-alert-bench-") as tmp, Receiver() as hook:
-        proc, _, http_port = start_collector(Path(tmp), f"http://127.0.0.1:{hook.port}/hook")
+    with tempfile.TemporaryDirectory(prefix="spikehound-alert-bench-") as tmp, WebhookReceiver() as hook:
+        proc, _, http_port = start_collector(Path(tmp), hook.url)
         lags: list[float] = []
         try:
             with requests.Session() as session:
@@ -229,11 +192,11 @@ def _spike_logged(log: str) -> float | None:
 
 def bare_post_seconds(n: int = 50) -> float:
     """Median round trip of a small POST to a loopback aiohttp receiver: the floor of the webhook hop."""
-    with Receiver() as hook, requests.Session() as session:
+    with WebhookReceiver() as hook, requests.Session() as session:
         times = []
         for _ in range(n):
             t = time.perf_counter()
-            session.post(f"http://127.0.0.1:{hook.port}/hook", data=b'{"status":"firing"}', timeout=5)
+            session.post(hook.url, data=b'{"status":"firing"}', timeout=5)
             times.append(time.perf_counter() - t)
     return statistics.median(times)
 

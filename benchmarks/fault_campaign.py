@@ -71,11 +71,11 @@ from harness.fault_campaign_parts import (
     Dataset,
     PacedSender,
     Recovery,
-    WebhookReceiver,
     alert_config,
     build_dataset,
     compare_spikes,
     next_start_ns,
+    notifications,
     served_once,
     spike_key,
     spike_summary,
@@ -83,6 +83,7 @@ from harness.fault_campaign_parts import (
 )
 from harness.pgserver import PostgresServer
 from harness.scrape import sample, scrape, total
+from harness.webhook_receiver import WebhookReceiver
 
 KINDS = ("sigkill", "pg-restart", "outage", "disk-full")
 
@@ -358,7 +359,7 @@ class Run:
             pending = sample(scrape(self.collector.api), "spikehound_alert_outbox_notifications", state="pending")
             spikes = list_spikes(self.collector.api, limit=10_000)
             resolved = {s["id"] for s in spikes if s["state"] == "resolved"}
-            noticed = {n[0] for n in hook.notifications() if n[1] == "resolved"}
+            noticed = {n[0] for n in notifications(hook) if n[1] == "resolved"}
             if not pending and resolved <= noticed and len(resolved) == len(spikes):
                 break
             time.sleep(1.0)
@@ -373,7 +374,7 @@ class Run:
         self.result.spikes = {k: list(v) for k, v in spike_summary(spikes, epoch).items()}
         keys = {s["id"]: spike_key(s, epoch) for s in spikes}
         self.result.notifications = sorted([keys.get(i, f"unknown spike {i}"), status, cause]
-                                           for i, status, cause in hook.notifications())
+                                           for i, status, cause in notifications(hook))
         samples = scrape(self.collector.api)
         outages = {dict(labels).get("kind", ""): v for (name, labels), v in samples.items()
                    if name == "spikehound_storage_outages_total" and v}

@@ -7,7 +7,7 @@
 * :class:`PacedSender`: one thread that posts its host's requests to one agent's OTLP/HTTP receiver at
   real-time pace (second ``i`` of event time once ``i + 1`` wall seconds have passed since the start),
   retrying what is refused, and records every span the agent acknowledged.
-* :class:`WebhookReceiver`: a local Alertmanager-style webhook receiver that records every notification.
+* :func:`notifications`: what a :class:`harness.webhook_receiver.WebhookReceiver` was sent, per alert.
 * :func:`served_once`: every acknowledged span checked against ``GET /api/v1/traces/{id}``.
 * :func:`spike_summary`, :func:`compare_spikes`: what is compared between a faulted and a fault-free run:
   spikes by their stream and their start relative to the run's, since the runs start at different times.
@@ -19,9 +19,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -31,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
-from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from harness.webhook_receiver import WebhookReceiver
 from spikehound.model import Span
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
@@ -162,53 +159,14 @@ class PacedSender(threading.Thread):
             time.sleep(min(max(delay, 0.1), 5.0))
 
 
-class WebhookReceiver:
-    """A webhook receiver on loopback (aiohttp on its own thread) that keeps every notification's body."""
-
-    def __init__(self) -> None:
-        # Bound here, not picked by free_port(): receivers started at once in parallel runs must not race for one.
-        self._socket = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self._socket.getsockname()[1])
-        self.bodies: list[dict[str, Any]] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="webhook", daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        self.bodies.append(json.loads(await request.read()))
-        return web.Response(text="ok")
-
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.SockSite(self._runner, self._socket).start()
-
-    def __enter__(self) -> WebhookReceiver:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    def notifications(self) -> set[tuple[str, str, str]]:
-        """(spike id, alert status, group's cause label) of every alert of every notification received."""
-        out = set()
-        for body in list(self.bodies):
-            for alert in body.get("alerts", []):
-                out.add((alert.get("annotations", {}).get("spike_id", "?"), alert.get("status", "?"),
-                         alert.get("labels", {}).get("cause", "?")))
-        return out
+def notifications(hook: WebhookReceiver) -> set[tuple[str, str, str]]:
+    """(spike id, alert status, group's cause label) of every alert of every notification ``hook`` received."""
+    out = set()
+    for body in hook.bodies():
+        for alert in body.get("alerts", []):
+            out.add((alert.get("annotations", {}).get("spike_id", "?"), alert.get("status", "?"),
+                     alert.get("labels", {}).get("cause", "?")))
+    return out
 
 
 def alert_config(hook_url: str) -> str:

@@ -23,9 +23,7 @@ from tests.support.ci import IN_CI
 from tests.support.storage_data import NOW, SPIKES, T0, S, make_span, point, window
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PostgresServer]:
-    """One PostgreSQL server for the session; each test that asks gets its own database."""
+def _postgres_server() -> Iterator[PostgresServer]:
     if find_pg_bin() is None:
         if IN_CI:
             pytest.fail("PostgreSQL binaries are missing; CI must test against a real server")
@@ -34,6 +32,18 @@ def pg_server() -> Iterator[PostgresServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """One PostgreSQL server for the session; each test that asks gets its own database."""
+    yield from _postgres_server()
+
+
+@pytest.fixture(scope="module")
+def own_pg_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of one test module's own, for tests that stop and restart it."""
+    yield from _postgres_server()
 
 
 @pytest.fixture

@@ -34,10 +34,9 @@ from harness.daemons import (
     collector_config,
     detection_settled,
 )
-from harness.pgserver import PostgresServer, find_pg_bin
+from harness.pgserver import PostgresServer
 from harness.scrape import sample, scrape, total
 from harness.waiting import eventually
-from tests.support.ci import IN_CI
 from tests.support.sdk_traffic import SdkApp, trace_request
 from tests.support.served import agent_idle, assert_served_once, grpc_export, http_export, served_span_counts
 
@@ -55,16 +54,9 @@ DETECTION_ENV = {"SPIKEHOUND_COLLECTOR_WINDOW_SECONDS": "1", "SPIKEHOUND_DETECTI
 
 
 @pytest.fixture(scope="module")
-def pg() -> Iterator[PostgresServer]:
+def pg(own_pg_server: PostgresServer) -> PostgresServer:
     """This module's own PostgreSQL server: its tests stop and restart it."""
-    if find_pg_bin() is None:
-        if IN_CI:
-            pytest.fail("PostgreSQL binaries are missing; CI must test against a real server")
-        pytest.skip("PostgreSQL is not installed")
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.stop()
+    return own_pg_server
 
 
 @pytest.fixture
