@@ -142,6 +142,31 @@ def test_minimum_severity_and_duration(clock):
     assert router.counts["too_short", ""] == 1
 
 
+def test_a_spike_found_only_after_it_ended_pages_and_resolves_as_it_would_have_live(clock):
+    # After a storage outage or a restart the collector judges the senders' backlog at once: a spike's open
+    # and resolved states reach alerting together. Live, a 40-s spike would have paged, then resolved.
+    router = Router(config(RouteConfig(receiver="oncall", min_duration_seconds=30, resolve_wait_seconds=5)),
+                    clock=clock)
+    late, blip = spike(1), spike(2, service="model-server")
+    router.observe([late, ended(late, 40), blip, ended(blip, 10)])
+    assert sent(router) == [("oncall", "firing", (spike_id(1),))]
+    assert sent(router) == []  # its end is applied once the page went out; then resolve_wait
+    clock.tick(5)
+    assert sent(router) == [("oncall", "resolved", (spike_id(1),))]
+    assert router.counts["too_short", ""] == 1  # the 10-s blip, too short for the route in event time too
+    assert not router.groups and sent(router) == []
+
+
+def test_a_silenced_spike_found_only_after_it_ended_sends_nothing_and_is_let_go(clock):
+    router = Router(config(RouteConfig(receiver="oncall", resolve_wait_seconds=0)), clock=clock)
+    router.set_silences([Silence.parse({"matchers": {"service": "gateway"}, "duration_seconds": 3600},
+                                       now_ns=int(clock.now * S))])
+    late = spike(1)
+    router.observe([late, ended(late, 40)])
+    assert sent(router) == [] and sent(router) == []
+    assert not router.groups and not router.open_spike_ids()
+
+
 def test_latency_high_while_gpu_utilization_is_low_goes_to_its_own_route(clock):
     gpu = RouteConfig(receiver="gpu-team", cause_kinds=["resource"], cause_resources=["hw.gpu.utilization"],
                       min_cause_score=0.2)

@@ -14,7 +14,10 @@ when its alerts change (at most every ``group_interval``), again every
 ``repeat_interval`` while it fires, and once more when everything in it has
 ended (after ``resolve_wait``; a spike that comes back on the same stream for
 the same reason within it continues the alert, so a flapping stream makes two
-messages, not a storm). A route sends at most ``max_per_hour`` notifications;
+messages, not a storm). A spike first seen already over (found late: the
+collector judged a backlog after a storage outage or a restart) is judged by
+how long it lasted in event time: long enough for a route, it is announced
+firing, then resolved, as it would have been live. A route sends at most ``max_per_hour`` notifications;
 beyond that a group waits, and what it finally sends is its latest state.
 Silenced alerts are left out; a group whose alerts are all silenced sends
 nothing.
@@ -183,6 +186,9 @@ class Router:
         self.counts: Counter[tuple[str, str]] = Counter()
         self._index: dict[str, list[tuple[str, str]]] = {}  # open spike id -> (group id, fingerprint)
         self._waiting: dict[str, Spike] = {}  # open spikes, tried against routes not yet taken
+        # Spikes whose end came before they were routed (their open and resolved states arrived together after
+        # a catch-up): routed on their event-time length, resolved once their firing was announced.
+        self._ended_unannounced: dict[str, Spike] = {}
         self._first_seen: dict[str, float] = {}
         self._matched: set[str] = set()  # open spikes some route matched (maybe still too short)
         self._silenced: set[str] = set()  # open spikes counted as silenced
@@ -255,13 +261,21 @@ class Router:
                 self._first_seen.setdefault(spike.id, now)
                 continue
             if spike.id in self._waiting and spike.id not in self._index:
-                matched = spike.id in self._matched or any(
-                    r.matcher.matches(spike) and ratio(spike) >= r.cfg.min_ratio for r in self.routes.values())
-                self.counts["too_short" if matched else "unmatched", ""] += 1
-            for name in (self._waiting, self._first_seen, self._index):
-                name.pop(spike.id, None)
-            self._matched.discard(spike.id)
-            self._silenced.discard(spike.id)
+                self._ended_unannounced[spike.id] = spike  # decided at the next evaluate (_route_waiting)
+                continue
+            self._forget(spike.id)
+
+    def _forget(self, sid: str) -> None:
+        """A spike has ended: counted if no route ever took it, and let go of."""
+        if sid in self._waiting and sid not in self._index:
+            spike = self._waiting[sid]
+            matched = sid in self._matched or any(
+                r.matcher.matches(spike) and ratio(spike) >= r.cfg.min_ratio for r in self.routes.values())
+            self.counts["too_short" if matched else "unmatched", ""] += 1
+        for name in (self._waiting, self._first_seen, self._index, self._ended_unannounced):
+            name.pop(sid, None)
+        self._matched.discard(sid)
+        self._silenced.discard(sid)
 
     def set_silences(self, silences: Iterable[Silence]) -> None:
         self.silences = list(silences)
@@ -271,7 +285,10 @@ class Router:
     def evaluate(self) -> Decision:
         """Route waiting spikes and return the notifications due now with the group states to save."""
         now = self.clock()
+        self._resolve_announced(now)
         self._route_waiting(now)
+        for sid in [sid for sid in self._ended_unannounced if sid not in self._index]:
+            self._forget(sid)  # no route found it long enough
         out = Decision()
         for g in sorted(self.groups.values(), key=lambda g: (g.created_at, g.id)):
             note = self._evaluate(g, now)
@@ -293,13 +310,33 @@ class Router:
                 if not route.matcher.matches(spike) or severity < route.cfg.min_ratio:
                     continue
                 self._matched.add(sid)
-                detected = spike.detected_unix_nano or spike.start_unix_nano
-                lasted = max(0.0, (detected - spike.start_unix_nano) / NS)
-                lasted += now - self._first_seen.get(sid, now)
+                ended = self._ended_unannounced.get(sid)
+                if ended is not None and ended.end_unix_nano:  # over already: its length in event time
+                    lasted = max(0.0, (ended.end_unix_nano - spike.start_unix_nano) / NS)
+                else:
+                    detected = spike.detected_unix_nano or spike.start_unix_nano
+                    lasted = max(0.0, (detected - spike.start_unix_nano) / NS)
+                    lasted += now - self._first_seen.get(sid, now)
                 if name not in taken and lasted >= route.cfg.min_duration_seconds:
                     self._assign(route, sid, spike, now)
                 if not route.cfg.continue_matching:
                     break
+
+    def _resolve_announced(self, now: float) -> None:
+        """Apply the end of each spike found late once every group that took it has announced it firing (or never
+        will: a silence mutes it)."""
+        now_ns = int(now * NS)
+        for sid, ended in list(self._ended_unannounced.items()):
+            places = self._index.get(sid)
+            if places and all(self._told(gid, fp, now_ns) for gid, fp in places):
+                del self._ended_unannounced[sid]
+                self.observe([ended])
+
+    def _told(self, gid: str, fp: str, now_ns: int) -> bool:
+        g = self.groups.get(gid)
+        a = g.alerts.get(fp) if g is not None else None
+        return (g is None or a is None or fp in g.sent_firing
+                or any(s.mutes(a.spike, now_ns) for s in self.silences))
 
     def _assign(self, route: Route, sid: str, spike: Spike, now: float) -> None:
         label = cause_label(spike)
