@@ -54,7 +54,9 @@ FLUSH_SECONDS = 1.0  # while healthy, forward at most this often (and within 2 s
 LINGER_BYTES = 1 << 20  # ... unless this much is already queued
 MAX_MERGED_BYTES = 4 << 20  # the collector accepts 32 MiB; stay well below
 BACKOFF_START = 0.25
-BACKOFF_MAX = 30.0
+# Tries against a collector that is down cost nothing; one that restarts must get its agents' backlogs back
+# within its catch-up (collector.catch_up_seconds, 15 s) to judge them in order: 8 s, drawn up to 12 s.
+BACKOFF_MAX = 8.0
 BACKOFF_JITTER = (0.5, 1.5)  # each delay drawn between half and one and a half times the step
 HINT_JITTER = 1.5  # a collector's RetryInfo delay is waited for, times up to this
 REQUEST_TIMEOUT = 30.0

@@ -7,7 +7,9 @@ that a slower sender's backlog still fills, and allowed lateness (seconds) is
 far shorter than an outage: those spans would count as late. So an episode's
 end, and a start from a checkpoint, begin a catch-up: the watermark is held
 where it was until, for ``quiet_seconds``, no *backlog* span arrived (one
-that ended before the catch-up began, by the collector's clock), or at most
+that ended before the catch-up began, by the collector's clock, and after the
+held watermark: an older one is late anyway, as a sender whose clock is
+behind sends them all the time), or at most
 ``most_seconds``, or until ``most_spans`` spans arrived while held (open windows keep each entry span's
 duration: live traffic must not grow them without end); then the hold is released and the windows close,
 a window at a time, as live traffic would have closed them.
@@ -20,10 +22,10 @@ delay is 5 s by default), so a catch-up after a short outage ends about
 >>> c.begin(); c.active
 True
 >>> wall[0] += 20 * NS
->>> c.arrived(90 * NS)  # ended before storage returned: backlog
+>>> c.arrived([90 * NS], held_ns=80 * NS)  # ended before storage returned: backlog
 >>> clock[0] = 14.0; c.done()
 False
->>> c.arrived(110 * NS)  # ended after: live, however late it came
+>>> c.arrived([110 * NS, 20 * NS], held_ns=80 * NS)  # live, however late it came; and one late anyway
 >>> clock[0] = 15.0; c.done()
 True
 """
@@ -31,7 +33,7 @@ True
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 __all__ = ["MOST_SECONDS", "MOST_SPANS", "NS", "CatchUp"]
 
@@ -70,10 +72,13 @@ class CatchUp:
         self._began_ns = self.wall_ns()
         self._last_backlog = now
 
-    def arrived(self, oldest_end_ns: int, spans: int = 0) -> None:
-        """A committed batch of ``spans`` spans whose earliest ended at ``oldest_end_ns``."""
-        self.held_spans += spans
-        if self.active and oldest_end_ns < self._began_ns:
+    def arrived(self, ends_ns: Sequence[int], held_ns: int | None) -> None:
+        """A committed batch whose spans ended at ``ends_ns``, while the windows are held at ``held_ns``."""
+        self.held_spans += len(ends_ns)
+        if not self.active:
+            return
+        began, held = self._began_ns, -(2**63) if held_ns is None else held_ns
+        if any(held <= end < began for end in ends_ns):
             self._last_backlog = self.clock()
 
     def done(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -49,48 +49,50 @@ class _Export:
         self.parse, self.decode, self.response, self.rejected_field = parse, decode, response, rejected_field
 
     async def export(self, body: bytes, context: grpc.aio.ServicerContext) -> Message:
+        # Refusals set the status and return instead of context.abort(): abort raises, and the exception's
+        # traceback holds this frame, whose ``body`` (up to max_request_bytes) then lives until the cyclic
+        # garbage collector runs, which the collector's thresholds make rare: a flood of refused 16 MB exports
+        # during an outage grew memory by gigabytes.
         counted = self.ingest.telemetry.rejected_requests
         if self.token:
             header = dict(context.invocation_metadata() or ()).get("authorization")
             if not bearer_ok(header if isinstance(header, str) else None, self.token):
                 counted.labels("grpc", "unauthenticated").inc()
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                return self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         # The body's bytes are held from before decoding (which takes about twice as much again) to the answer.
         with self.ingest.admission("grpc") as admission:
             try:
                 self.ingest.check_storage("grpc")
                 admission.need(len(body))
-            except Overloaded as exc:
-                await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
-            except Unavailable as exc:
-                await _abort_retry(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
-            try:
                 request = self.parse(body)
-            except PayloadError as exc:
-                counted.labels("grpc", "bad_payload").inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            try:
                 self.ingest.check_room(self.signal, count_items(request))
                 decoded = self.decode(request, body, limits=self.ingest.limits, not_after_ns=self.ingest.not_after_ns())
                 accepted = await self.ingest.submit(decoded, self.signal, "grpc", admission)
+            except PayloadError as exc:
+                counted.labels("grpc", "bad_payload").inc()
+                return self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except InvalidPayload as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Overloaded as exc:
-                await _abort_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
+                return self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
             except Unavailable as exc:
-                await _abort_retry(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
+                return self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
         response = self.response()
         if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
             setattr(response.partial_success, self.rejected_field, accepted.rejected)  # type: ignore[attr-defined]
             response.partial_success.error_message = accepted.message  # type: ignore[attr-defined]
         return response
 
-
-async def _abort_retry(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                       retry_after: int) -> NoReturn:
-    rpc_code = code_pb2.RESOURCE_EXHAUSTED if code == grpc.StatusCode.RESOURCE_EXHAUSTED else code_pb2.UNAVAILABLE
-    await context.abort(code, message, trailing_metadata=retry_trailers(rpc_code, message, retry_after))
-    raise AssertionError("unreachable: abort raises")
+    def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                retry_after: int | None = None) -> Message:
+        """Answer ``code`` (the empty response is not sent with it); with ``retry_after``, a RetryInfo too."""
+        if retry_after is not None:
+            exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            rpc_code = code_pb2.RESOURCE_EXHAUSTED if exhausted else code_pb2.UNAVAILABLE
+            context.set_trailing_metadata(retry_trailers(rpc_code, message, retry_after))
+        context.set_code(code)
+        context.set_details(message)
+        return self.response()
 
 
 def _handler(service: str, export: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]

@@ -45,6 +45,7 @@ RETENTION_INTERVAL_SECONDS = 300.0
 REPLAY_BLOCKS = 256  # span blocks read and fed to the detectors at a time when replaying after a restart
 REPLAY_POINTS = 20_000  # metric points likewise
 NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
+STALL_SECONDS = 10.0  # a write unanswered this long is an outage (see _write)
 
 
 class IngestPipeline:
@@ -319,7 +320,7 @@ class IngestPipeline:
         self._written(pending)
         self._pending = detected
         if self.catch_up.active and spans:
-            self.catch_up.arrived(min(s.end_unix_nano for s in spans), len(spans))
+            self.catch_up.arrived([s.end_unix_nano for s in spans], self.engine.windows.hold)
         await self._catch_up_step()
         if self._orphans:
             self._close_orphans()
@@ -431,18 +432,26 @@ class IngestPipeline:
     async def _write(self, batch: WriteBatch) -> Detection:
         """Commit ``batch``; return what the detectors made of it."""
         started = time.perf_counter()
+        write = asyncio.ensure_future(self.writer_thread.run(self._write_and_detect, batch))
         try:
-            detected = await self.writer_thread.run(self._write_and_detect, batch)
+            # A database that stops answering without closing the connection (a hung server; on loopback TCP
+            # keepalives never fire) would keep every sender waiting: past STALL_SECONDS the outage is declared,
+            # and new requests are refused while this write waits on.
+            done, _ = await asyncio.wait({write}, timeout=STALL_SECONDS)
+            if not done:
+                self.health.stalled(STALL_SECONDS)
+            detected = await write
         except Exception:
             self.telemetry.write_errors.inc()
             raise
         self.telemetry.write_seconds.observe(time.perf_counter() - started)
-        self._storage_wrote()
+        await self._storage_wrote()
         return detected
 
-    def _storage_wrote(self) -> None:
+    async def _storage_wrote(self) -> None:
         if self.health.succeeded():
             self.storage_returned()
+            await self.writer_thread.run(self._set_hold)  # where an outage began without one (a stalled write)
         if not self.health.episode:
             self._freed_for_episode = False
 
@@ -466,7 +475,7 @@ class IngestPipeline:
             self.telemetry.write_errors.inc()
             await self._backoff(exc)
             return
-        self._storage_wrote()
+        await self._storage_wrote()
 
     async def _tick(self) -> None:
         """With no input: let the watermark catch up, write what the detectors closed, run retention."""

@@ -78,7 +78,7 @@ def classify(exc: BaseException) -> str:
             return "unreachable"
         if isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS:
             return "disk_full"
-        if isinstance(error, ConnectionError):
+        if isinstance(error, (ConnectionError, TimeoutError)):
             return "unreachable"
     text = " ".join(str(error) for error in seen).lower()
     if any(words in text for words in _DISK_FULL_WORDS):
@@ -137,6 +137,8 @@ class StorageHealth:
 
     def retry_after(self) -> int:
         """Whole seconds a refused sender should wait: until the next attempt, at least 1."""
+        if self._next_attempt == math.inf:  # a write hangs: its end is not known
+            return math.ceil(self.retry.most)
         return max(1, math.ceil(self._next_attempt - self.clock()))
 
     def failed(self, exc: BaseException) -> float:
@@ -164,6 +166,13 @@ class StorageHealth:
         else:
             log.debug("storage write failed again (%d in this episode): %s", self.failures, self.error)
         return delay
+
+    def stalled(self, seconds: float) -> None:
+        """A write has had no answer for ``seconds`` (a hung server): an outage until it ends one way or another;
+        no other attempt is due meanwhile."""
+        self.failed(TimeoutError(f"the database has not answered a write for {seconds:.0f} s (hung, or out of "
+                                 "reach without a reset)"))
+        self._next_attempt = math.inf
 
     def succeeded(self) -> bool:
         """A write committed; True when it is the first since writes failed (senders are let in again)."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import resource
 import signal
+import sqlite3
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -25,6 +27,7 @@ import pytest
 import requests
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
+from collector import pipeline
 from harness.api_client import ApiClient, list_spikes
 from harness.daemons import (
     AgentProcess,
@@ -349,3 +352,29 @@ def test_a_read_while_postgresql_is_down_answers_503_with_a_json_error(pg: Postg
             pg.start()
         eventually(lambda: client.get(f"/api/v1/traces/{trace_id.hex()}").status_code == 200,
                    "the trace served again once PostgreSQL is back", 10)
+
+
+def test_a_write_that_hangs_is_an_outage_and_senders_are_refused_until_it_ends(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch):
+    # A database that holds a write without failing it (here another process holding SQLite's write lock, as a
+    # hung PostgreSQL would): past the stall limit (10 s; 1 s here) senders are refused instead of left waiting.
+    monkeypatch.setattr(pipeline, "STALL_SECONDS", 1.0)
+    db = tmp_path / "spikehound.db"
+    with CollectorThread(collector_config(f"sqlite:///{db}")) as c, ThreadPoolExecutor(1) as pool:
+        first, _ = trace_request("stall-app", spans=2)
+        assert http_export(c.http_endpoint, first).status_code == 200
+        holder = sqlite3.connect(db, timeout=0, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, as a backup script or a stuck process holds it
+        try:
+            waiting = pool.submit(http_export, c.http_endpoint, trace_request("stall-app", spans=2)[0], timeout=60)
+            _, reason = eventually(lambda: (r := readiness(c.api))[0] == 503 and r,
+                                   "/readyz to answer 503 while the write hangs", 10)
+            assert "has not answered a write" in reason, reason
+            refused = http_export(c.http_endpoint, trace_request("stall-app")[0], timeout=5)
+            assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+            assert not waiting.done()  # the request in the hung write still waits for its commit
+        finally:
+            holder.rollback()
+            holder.close()
+        assert waiting.result(30).status_code == 200  # committed once the lock went: answered as stored
+        wait_ready(c.api)
