@@ -105,6 +105,10 @@ class IngestPipeline:
         """Continue from the checkpoint, then take the queue in a background task (see ``failed``)."""
         self._failed = asyncio.get_running_loop().create_future()
         await self.restore()
+        # At once, not only every checkpoint_seconds: it says where storage stands, so that a collector killed
+        # before its first periodic checkpoint (a crash loop, a kill in its first minute) replays what it
+        # committed instead of starting its detectors from nothing.
+        await self.checkpoint()
         self._task = asyncio.create_task(self.run(), name="ingest-pipeline")
         self._task.add_done_callback(self._ended)
 
@@ -135,33 +139,35 @@ class IngestPipeline:
     async def restore(self) -> None:
         """Continue from the last checkpoint, if there is one that fits; close the spikes it does not know."""
         found = await self._restore_checkpoint()
+        replayed = False
         if found is not None:
             # Senders that spooled while the collector was down send their backlogs now; and what was committed
             # after the checkpoint is replayed into windows that must stay open as they were before the kill.
             await self._begin_catch_up()
-            await self._replay_committed(found)
+            replayed = await self._replay_committed(found)
         self._open_windows = self.engine.windows.open_windows
         self._open_ids = {s.id for s in self.engine.open_spikes()}
         stored = await self.writer_thread.run(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
-        # Opened after the checkpoint the detectors continue from (the collector was killed in between): the
-        # detectors do not know them, so nothing would ever resolve them. They are closed at the last window
-        # that saw them anomalous, once event time has moved past it (alerting announces them meanwhile, as
-        # it would any open spike it finds at start).
+        # Opened after the checkpoint the detectors continue from (the collector was killed in between). After
+        # a replay the detectors find them again (same id) once the held windows are judged; without one (a
+        # checkpoint from before positions) they do not know them, and nothing would ever resolve them. Those
+        # left are closed at the last window that saw them anomalous, once event time has moved past it
+        # (alerting announces them meanwhile, as it would any open spike it finds at start).
         self._orphans = [spike for spike in stored if spike.id not in self._open_ids]
         self._open_ids.update(spike.id for spike in self._orphans)
-        if self._orphans:
+        if self._orphans and not replayed:
             log.warning("%d spike(s) open in storage are not in the detectors' checkpoint (the collector stopped "
                         "without saving it): they will be closed at their last anomalous window once event time "
                         "passes it: %s", len(self._orphans), ", ".join(s.id for s in self._orphans[:10]))
 
-    async def _replay_committed(self, found: checkpoints.Checkpoint) -> None:
+    async def _replay_committed(self, found: checkpoints.Checkpoint) -> bool:
         """Feed the restored detectors what was committed after their checkpoint (the collector was killed
         before it saved another): every committed span is seen once, and what they make of it waits for the
         next commit (windows and spikes are upserts: writing one again changes nothing)."""
         if found.span_block_id is None or found.points_ingested_at is None:
             log.info("the checkpoint does not say where storage stood (written by an older version): nothing "
                      "committed after it is replayed")
-            return
+            return False
         started = time.perf_counter()
         reader = Reader(self.writer.engine)
         block, spans = found.span_block_id, 0
@@ -186,6 +192,7 @@ class IngestPipeline:
                                                     WriteBatch(points=chunk_points)))
         log.info("replayed what was committed after the checkpoint to the detectors: %d spans, %d metric points "
                  "in %.2f s", spans, points, time.perf_counter() - started)
+        return True
 
     def _take(self, detected: Detection) -> None:
         """Keep a detector step's windows and spikes for the next commit: every state, in order (a spike that
@@ -227,13 +234,20 @@ class IngestPipeline:
                  steps + 1)
 
     def _close_orphans(self) -> None:
-        """Resolve the spikes restore() found orphaned whose last anomalous window event time has passed."""
+        """Resolve the spikes restore() found orphaned whose last anomalous window event time has passed.
+
+        Not while the windows are held: the replayed and the senders' data are still to be judged, and the
+        detectors find most of them again (same id) once it is; those are no orphans.
+        """
         watermark = self.engine.windows.watermark
-        if watermark is None:
+        if watermark is None or self.engine.windows.hold is not None:
             return
+        known = {s.id for s in self.engine.open_spikes()} | {s.id for s in self._pending.spikes}
         due: list[Spike] = []
         waiting: list[Spike] = []
         for spike in self._orphans:
+            if spike.id in known:
+                continue
             end = _last_anomalous_end(spike)
             if end + self.settings.window_ns <= watermark:
                 due.append(replace(spike, state="resolved", end_unix_nano=end))

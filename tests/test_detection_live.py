@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -162,24 +163,42 @@ def test_restart_in_the_middle_of_a_spike_keeps_it_and_does_not_rewarm(tmp_path:
         assert spike["baseline_p99_ms"] == earlier["baseline_p99_ms"]
 
 
-def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_comes_back(tmp_path: Path):
-    """SIGKILL after a spike opened and before any checkpoint: the restarted detectors do not know it, so
-    nothing would ever resolve it. It stays open (alerting announces it as any open spike found at start) until
-    event time passes the last window that saw it anomalous; then it is closed there."""
+@pytest.mark.parametrize("checkpoint", ["with its position", "from before positions"])
+def test_a_spike_opened_after_the_last_checkpoint_is_closed_when_the_collector_comes_back(tmp_path: Path,
+                                                                                          checkpoint: str):
+    """SIGKILL after a spike opened and before the next checkpoint.
+
+    The checkpoint the collector saved as it started says where storage stood: the restarted detectors replay
+    what came after it, know the spike again and resolve it when the fault ends. A checkpoint from a version
+    before positions cannot say: the restarted detectors do not know the spike, so nothing would ever resolve
+    it; it stays open (alerting announces it as any open spike found at start) until event time passes the last
+    window that saw it anomalous, and is closed there."""
     sc = _scenario()
     bodies = scenario_requests(sc)
     cut = 2 * (int(sc.onset_s) + 25)
-    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path,
-                                 env={"SPIKEHOUND_DETECTION_CHECKPOINT_SECONDS": "3600"})
+    db = tmp_path / "spikehound.db"
+    collector = CollectorProcess(f"sqlite:///{db}", tmp_path, env={"SPIKEHOUND_DETECTION_CHECKPOINT_SECONDS": "3600"})
     collector.start()
     try:
         send(collector.http_endpoint, bodies[:cut])
         _spikes_when(collector, lambda spikes: any(s["state"] == "open" for s in spikes),
                      "a spike to open before the kill")
         collector.kill()
+        if checkpoint == "from before positions":
+            with sqlite3.connect(db) as conn:
+                conn.execute("UPDATE detector_checkpoints SET span_block_id = NULL, points_ingested_at = NULL")
 
         collector.start()
-        assert "start fresh: no checkpoint" in collector.log_text()
+        if checkpoint == "with its position":
+            assert "replayed what was committed after the checkpoint" in collector.log_text()
+            assert "not in the detectors' checkpoint" not in collector.log_text()
+            open_before = {s["id"] for s in list_spikes(collector.api) if s["state"] == "open"}
+            send(collector.http_endpoint, bodies[cut:])
+            after = _spikes_when(collector, lambda spikes: not any(s["state"] == "open" for s in spikes),
+                                 "the spike to be resolved")
+            assert open_before and {s["id"] for s in after} == open_before  # the same spike, once, resolved
+            return
+        assert "does not say where storage stood" in collector.log_text()
         assert "not in the detectors' checkpoint" in collector.log_text()
         orphans = {s["id"]: s for s in list_spikes(collector.api) if s["state"] == "open"}
         assert orphans, "the orphaned spike was closed before event time passed it"
@@ -243,6 +262,7 @@ def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Pa
     assert requests_sent >= 60
     # Never idle: every request but the last had more queued behind it when it was committed.
     assert all(queued > 0 for _, queued in seen[:-1])
-    # A checkpoint after every 10 s of the pipeline's clock, taken between two commits.
-    assert [n for n, _ in seen] == [i // 10 for i in range(requests_sent)], "no checkpoint while ingest never went idle"
+    # One saved as the pipeline started, then one after every 10 s of its clock, taken between two commits.
+    assert [n for n, _ in seen] == [1 + i // 10 for i in range(requests_sent)], \
+        "no checkpoint while ingest never went idle"
     assert saved is not None
