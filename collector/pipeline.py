@@ -144,6 +144,7 @@ class IngestPipeline:
             # Senders that spooled while the collector was down send their backlogs now; and what was committed
             # after the checkpoint is replayed into windows that must stay open as they were before the kill.
             await self._begin_catch_up()
+            await self._refill_traces(found)
             replayed = await self._replay_committed(found)
         self._open_windows = self.engine.windows.open_windows
         self._open_ids = {s.id for s in self.engine.open_spikes()}
@@ -159,6 +160,27 @@ class IngestPipeline:
             log.warning("%d spike(s) open in storage are not in the detectors' checkpoint (the collector stopped "
                         "without saving it): they will be closed at their last anomalous window once event time "
                         "passes it: %s", len(self._orphans), ", ".join(s.id for s in self._orphans[:10]))
+
+    async def _refill_traces(self, found: checkpoints.Checkpoint) -> None:
+        """The detectors' recent traces are not in the checkpoint: read back those of the windows still open
+        from before it, so that a spike judged from them (after a catch-up, a crash loop) is attributed from
+        whole traces as it would have been live. Into the trace buffer only: the windows counted them already."""
+        earliest = self.engine.windows.earliest_open_ns
+        if found.span_block_id is None or earliest is None:
+            return
+        reader = Reader(self.writer.engine)
+        since = earliest - self.settings.window_ns  # and the window before, for normal traces to compare with
+        block: int | None = None
+        spans = 0
+        while block is None or block < found.span_block_id:
+            block, chunk = await self.writer_thread.run(reader.spans_ending_since, since, found.span_block_id, block,
+                                                        REPLAY_BLOCKS)
+            if not chunk:
+                break
+            spans += len(chunk)
+            await self.writer_thread.run(self.engine.traces.add, chunk)
+        if spans:
+            log.info("read back %d spans of the open windows' traces from before the checkpoint", spans)
 
     async def _replay_committed(self, found: checkpoints.Checkpoint) -> bool:
         """Feed the restored detectors what was committed after their checkpoint (the collector was killed

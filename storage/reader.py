@@ -243,6 +243,29 @@ class Reader:
                 last = row_id
         return last, spans
 
+    def spans_ending_since(self, end_ns: int, up_to_block: int, after_block: int | None = None, limit: int = 256
+                           ) -> tuple[int, list[Span]]:
+        """The spans of up to ``limit`` span blocks up to ``up_to_block`` that end at ``end_ns`` or later, in id
+        order from after ``after_block`` (from the first such block when None), and the last block id read. For
+        the collector's restart, which refills its detectors' recent traces (not part of a checkpoint)."""
+        b = schema.span_blocks
+        with self.engine.connect() as conn:
+            if after_block is None:
+                first = conn.execute(select(func.min(b.c.id)).where(b.c.end_ns >= end_ns)).scalar_one_or_none()
+                if first is None:
+                    return up_to_block, []
+                after_block = first - 1
+            query = (select(b.c.id, b.c.payload)
+                     .where(b.c.id > after_block, b.c.id <= up_to_block, b.c.end_ns >= end_ns)
+                     .order_by(b.c.id).limit(limit))
+            spans: list[Span] = []
+            last = up_to_block
+            rows = conn.execute(query).all()
+        for row_id, payload in rows:
+            spans += spans_of_block(bytes(payload))
+            last = row_id
+        return (last if rows else up_to_block), spans
+
     def points_since(self, ingested_at: int, after: tuple[int, int] = (0, -(2**63)), limit: int = 10_000
                      ) -> tuple[tuple[int, int], list[MetricPoint]]:
         """Up to ``limit`` metric points that arrived in or after second ``ingested_at``, by (series id, time)

@@ -110,11 +110,11 @@ class _Run:
         await self.writer_thread.stop()
 
 
-def _stored(engine: Engine) -> tuple[list[tuple[Any, ...]], list[tuple[str, str, int, int | None]]]:
+def _stored(engine: Engine) -> tuple[list[tuple[Any, ...]], list[tuple[str, str, int, int | None, str]]]:
     w = schema.latency_windows
     with engine.connect() as conn:
         windows = [tuple(r) for r in conn.execute(select(w).order_by(*w.primary_key.columns))]
-    spikes = sorted((s.id, s.state, s.start_unix_nano, s.end_unix_nano)
+    spikes = sorted((s.id, s.state, s.start_unix_nano, s.end_unix_nano, s.causes[0].summary if s.causes else "")
                     for s in Reader(engine).spikes(None, None, None, None, 10_000))
     return windows, spikes
 
