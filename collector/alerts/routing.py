@@ -188,7 +188,7 @@ class Router:
         self._waiting: dict[str, Spike] = {}  # open spikes, tried against routes not yet taken
         # Spikes whose end came before they were routed (their open and resolved states arrived together after
         # a catch-up): routed on their event-time length, resolved once their firing was announced.
-        self._ended_unannounced: dict[str, Spike] = {}
+        self._ended_unannounced: dict[str, tuple[Spike, float]] = {}  # -> (its end, when it was seen)
         self._first_seen: dict[str, float] = {}
         self._matched: set[str] = set()  # open spikes some route matched (maybe still too short)
         self._silenced: set[str] = set()  # open spikes counted as silenced
@@ -240,9 +240,10 @@ class Router:
 
     # -- input ---------------------------------------------------------------------------------
 
-    def observe(self, spikes: Iterable[Spike]) -> None:
-        """Take spike states (opened, updated, resolved) as the detectors commit them."""
-        now = self.clock()
+    def observe(self, spikes: Iterable[Spike], seen_at: float | None = None) -> None:
+        """Take spike states (opened, updated, resolved) as the detectors commit them (``seen_at``: when they
+        did, if not now)."""
+        now = self.clock() if seen_at is None else seen_at
         for spike in spikes:
             for gid, fp in self._index.get(spike.id, ()):
                 g = self.groups.get(gid)
@@ -261,7 +262,7 @@ class Router:
                 self._first_seen.setdefault(spike.id, now)
                 continue
             if spike.id in self._waiting and spike.id not in self._index:
-                self._ended_unannounced[spike.id] = spike  # decided at the next evaluate (_route_waiting)
+                self._ended_unannounced[spike.id] = (spike, now)  # decided at the next evaluate (_route_waiting)
                 continue
             self._forget(spike.id)
 
@@ -311,8 +312,8 @@ class Router:
                     continue
                 self._matched.add(sid)
                 ended = self._ended_unannounced.get(sid)
-                if ended is not None and ended.end_unix_nano:  # over already: its length in event time
-                    lasted = max(0.0, (ended.end_unix_nano - spike.start_unix_nano) / NS)
+                if ended is not None and ended[0].end_unix_nano:  # over already: its length in event time
+                    lasted = max(0.0, (ended[0].end_unix_nano - spike.start_unix_nano) / NS)
                 else:
                     detected = spike.detected_unix_nano or spike.start_unix_nano
                     lasted = max(0.0, (detected - spike.start_unix_nano) / NS)
@@ -326,11 +327,11 @@ class Router:
         """Apply the end of each spike found late once every group that took it has announced it firing (or never
         will: a silence mutes it)."""
         now_ns = int(now * NS)
-        for sid, ended in list(self._ended_unannounced.items()):
+        for sid, (ended, seen_at) in list(self._ended_unannounced.items()):
             places = self._index.get(sid)
             if places and all(self._told(gid, fp, now_ns) for gid, fp in places):
                 del self._ended_unannounced[sid]
-                self.observe([ended])
+                self.observe([ended], seen_at)  # resolve_wait counts from when its end was seen
 
     def _told(self, gid: str, fp: str, now_ns: int) -> bool:
         g = self.groups.get(gid)
