@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import psycopg
 
@@ -245,15 +244,24 @@ class PostgresServer:
             ) from None
         return entry.pw_uid, entry.pw_gid
 
+    @staticmethod
+    def _setpriv(uid: int, gid: int) -> list[str]:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise RuntimeError("running as root needs util-linux's setpriv to run PostgreSQL as its own user")
+        return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+
     def _run(self, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         """Run a PostgreSQL binary, as the ``postgres`` user when we are root."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
         env.update(LC_ALL="C", LANG="C")
-        kwargs: dict[str, Any] = {}
         if self._as_root:
             uid, gid = self._owner_ids()
             env.update(HOME=pwd.getpwuid(uid).pw_dir, USER=POSTGRES_OS_USER, LOGNAME=POSTGRES_OS_USER)
-            kwargs.update(user=uid, group=gid, extra_groups=[])
+            # setpriv rather than subprocess's user=/group=: those force a real fork(), and a
+            # fork() of a process whose gRPC threads are busy can crash the child (rc=-11)
+            # before it execs. Without them Python spawns with vfork, which runs no fork handlers.
+            args = [*self._setpriv(uid, gid), *args]
         return subprocess.run(
             args,
             cwd=self._require_workdir(),
@@ -263,7 +271,6 @@ class PostgresServer:
             text=True,
             timeout=timeout,
             check=False,
-            **kwargs,
         )
 
     def _make_workdir(self) -> Path:
