@@ -195,6 +195,35 @@ class LatencyWindow:
     peer_service: str | None = None
 
 
+Frame = tuple[str, str, int]  # (function, file, line) of one frame of a call stack
+
+
+@dataclass(slots=True, frozen=True)
+class ProfileStack:
+    """How often one call stack of one process was sampled over one window: what the agent's profiler sends.
+
+    ``frames`` run root first, as folded stacks do. ``kind`` says what was sampled: ``cpu`` counts threads
+    on a CPU (the profiler skips idle ones), ``wall`` counts every thread, idle or not. ``service`` is the
+    service whose spans the process exports, "" when the agent could not tell.
+
+    >>> ProfileStack(host="gpu-1", service="preprocess", pid=42, process="python3", start_unix_nano=0,
+    ...              end_unix_nano=10**10, frames=(("handle", "stack.py", 210), ("burn_cpu", "stack.py", 180)),
+    ...              samples=57).frames[-1][0]
+    'burn_cpu'
+    """
+
+    host: str
+    service: str
+    pid: int
+    process: str
+    start_unix_nano: int
+    end_unix_nano: int
+    frames: tuple[Frame, ...]
+    samples: int
+    kind: str = "cpu"
+    period_ns: int = 52_631_578  # 1 s / 19 Hz: the time one sample stands for
+
+
 class CauseKind(enum.StrEnum):
     """What a cause blames; the one list of kinds (config checks, alert matchers and the API's enum read it)."""
 

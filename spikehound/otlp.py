@@ -327,7 +327,7 @@ _RESOURCE_NAMES = {"service.name": "service_name", "host.name": "host_name"}
 def parse_trace_request(body: bytes, *, json: bool = False) -> ExportTraceServiceRequest:
     """Parse an OTLP/HTTP traces body; raise PayloadError with a reason when unreadable."""
     req = ExportTraceServiceRequest()
-    _parse(req, body, json, _TRACE_ID_PATHS)
+    parse_body(req, body, json, _TRACE_ID_PATHS)
     return req
 
 
@@ -502,7 +502,7 @@ def encode_spans(spans: Iterable[Span]) -> ExportTraceServiceRequest:
 def parse_metrics_request(body: bytes, *, json: bool = False) -> ExportMetricsServiceRequest:
     """Parse an OTLP/HTTP metrics body; raise PayloadError with a reason when unreadable."""
     req = ExportMetricsServiceRequest()
-    _parse(req, body, json, _METRIC_ID_PATHS)
+    parse_body(req, body, json, _METRIC_ID_PATHS)
     return req
 
 
@@ -658,7 +658,8 @@ _METRIC_ID_PATHS = tuple(
 )
 
 
-def _parse(req: Any, body: bytes, json: bool, id_paths: tuple[tuple[Any, ...], ...]) -> None:
+def parse_body(req: Any, body: bytes, json: bool, id_paths: tuple[tuple[Any, ...], ...]) -> None:
+    """Fill ``req`` from an OTLP/HTTP body (protobuf, or JSON with hex ids at ``id_paths``); PayloadError if not."""
     if json:
         try:
             doc = orjson.loads(body)
