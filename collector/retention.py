@@ -56,6 +56,7 @@ class RetentionRunner:
         t.retention_deleted.labels("metric_points", "age").inc(result.points)
         t.retention_deleted.labels("spans", "size").inc(result.spans_over_size)
         t.retention_deleted.labels("metric_points", "size").inc(result.points_over_size)
+        t.retention_deleted.labels("profile_samples", "age").inc(result.profile_samples)
         t.retention_deleted.labels("operations", "age").inc(result.operations)
         if self.retention.measured:
             size = self.retention.size

@@ -17,12 +17,23 @@ from typing import Any
 import orjson
 from sqlalchemy import Engine, and_, func, or_, select
 
-from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, MetricKind, MetricPoint, Span, Spike
+from spikehound.model import (
+    AffectedStream,
+    Cause,
+    CauseKind,
+    LatencyWindow,
+    MetricKind,
+    MetricPoint,
+    ProfileStack,
+    Span,
+    Spike,
+)
 from spikehound.otlp import spans_of_block, spans_of_trace
 from storage import schema, trace_search
 from storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQuery
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
+MAX_PROFILE_ROWS = 200_000  # (process, window, stack) rows one profile read may bring back
 
 
 @dataclass(slots=True, frozen=True)
@@ -292,6 +303,24 @@ class Reader:
 
     # --- trace search and the dependency graph (the Jaeger query API) -----------------------------
 
+    def profile_stacks(self, since_ns: int, until_ns: int, *, service: str | None = None, host: str | None = None,
+                       limit: int = MAX_PROFILE_ROWS) -> list[ProfileStack]:
+        """The sampled stacks of profile windows overlapping ``[since_ns, until_ns)``, of ``service`` and/or
+        ``host`` when given, oldest window first (at most ``limit`` rows)."""
+        ps, st = schema.profile_samples, schema.profile_stacks
+        query = (select(ps, st.c.frames).join(st, st.c.id == ps.c.stack_id)
+                 .where(ps.c.start_ns < until_ns, ps.c.end_ns > since_ns))
+        if service is not None:
+            query = query.where(ps.c.service == service)
+        if host is not None:
+            query = query.where(ps.c.host == host)
+        query = query.order_by(ps.c.start_ns, ps.c.host, ps.c.pid).limit(limit)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [ProfileStack(host=r.host, service=r.service, pid=r.pid, process=r.process, start_unix_nano=r.start_ns,
+                             end_unix_nano=r.end_ns, frames=_frames(r.frames), samples=r.samples, kind=r.kind,
+                             period_ns=r.period_ns) for r in rows]
+
     def find_trace_ids(self, query: TraceQuery, max_scanned_spans: int = MAX_SCANNED_SPANS) -> list[bytes]:
         """Ids of traces matching ``query``, the one with the latest matching span first, at most ``query.limit``."""
         return trace_search.find_trace_ids(self.engine, query, max_scanned_spans)
@@ -368,3 +397,7 @@ def count_rows(engine: Engine, table: str) -> int:
     """Row count of one table (operations and tests)."""
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(schema.metadata.tables[table])).scalar_one()
+
+
+def _frames(text: str) -> tuple[tuple[str, str, int], ...]:
+    return tuple((str(fn), str(file), int(line)) for fn, file, line in orjson.loads(text))

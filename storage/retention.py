@@ -74,6 +74,7 @@ class RetentionResult:
     spans_over_size: int = 0  # deleted to bring the store back under its size caps
     points_over_size: int = 0
     operations: int = 0  # not recorded for the span age, or beyond operation_max_count
+    profile_samples: int = 0  # (process, window, stack) rows past the span age, their stacks with the last of them
 
 
 @dataclass(slots=True)
@@ -210,7 +211,18 @@ class Retention:
         """Delete span blocks that arrived before ``span_cutoff_s`` and points before ``point_cutoff_s``."""
         keep = Reader(self.engine).exemplar_trace_ids() if keep is None else keep
         return RetentionResult(spans=self._delete_blocks(span_cutoff_s, keep, max_batches, None),
-                               points=self._delete_points(point_cutoff_s, max_batches, None))
+                               points=self._delete_points(point_cutoff_s, max_batches, None),
+                               profile_samples=self._delete_profiles(span_cutoff_s, max_batches))
+
+    def _delete_profiles(self, cutoff_s: int, max_batches: int) -> int:
+        """Delete profile rows that arrived before ``cutoff_s`` (profiles are evidence beside the traces, and go
+        with them), then the stacks no row uses any more; the number of rows deleted."""
+        ps, st = schema.profile_samples, schema.profile_stacks
+        deleted = self._delete_rows(ps, ps.c.ingested_at < cutoff_s, max_batches)
+        if deleted:
+            unused = ~select(ps.c.stack_id).where(ps.c.stack_id == st.c.id).exists()
+            self._delete_rows(st, unused, max_batches)
+        return deleted
 
     def _delete_blocks(self, cutoff_s: int | None, keep: set[bytes], max_batches: int, budget: int | None) -> int:
         """Delete the oldest blocks (never an exemplar's) that arrived before ``cutoff_s``, all of them or until

@@ -225,3 +225,35 @@ silences = Table(
     Column("created_at", BigInteger, nullable=False),
     Index("ix_silences_ends_at", "ends_at"),
 )
+
+# Sampling profiles (docs/profiles.md). A call stack is stored once, found by the digest of its frames; each
+# (process, window, stack) the agent's profiler counted is one narrow row, so a process that runs the same
+# few hundred stacks all day adds a few dozen bytes a stack and window.
+profile_stacks = Table(
+    "profile_stacks", metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("digest", LargeBinary(16), nullable=False),  # BLAKE2b of the frames' JSON
+    Column("frames", Text, nullable=False),  # JSON [[function, file, line], ...], root first
+    UniqueConstraint("digest", name="uq_profile_stacks_digest"),
+)
+
+profile_samples = Table(
+    "profile_samples", metadata,
+    Column("stack_id", BigInteger, nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("service", String(255), nullable=False),  # "" when the agent could not tell
+    Column("pid", Integer, nullable=False),
+    Column("process", String(255), nullable=False),
+    Column("kind", String(8), nullable=False),  # cpu | wall
+    Column("start_ns", BigInteger, nullable=False),
+    Column("end_ns", BigInteger, nullable=False),
+    Column("period_ns", BigInteger, nullable=False),
+    Column("samples", Integer, nullable=False),
+    Column("ingested_at", BigInteger, nullable=False),  # unix seconds; retention goes by arrival
+    # A retried export (its answer lost) is stored once.
+    UniqueConstraint("host", "pid", "kind", "start_ns", "stack_id", name="uq_profile_samples_key"),
+    Index("ix_profile_samples_service", "service", "start_ns"),
+    Index("ix_profile_samples_host", "host", "start_ns"),
+    Index("ix_profile_samples_ingested_at", "ingested_at"),
+    Index("ix_profile_samples_stack", "stack_id"),
+)

@@ -16,6 +16,7 @@ operations whose spans stopped arriving (``storage/retention.py``).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -27,7 +28,7 @@ import orjson
 from sqlalchemy import Engine, String, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from spikehound.model import LatencyWindow, MetricPoint, Span, Spike
+from spikehound.model import Frame, LatencyWindow, MetricPoint, ProfileStack, Span, Spike
 from spikehound.otlp import encode_spans
 from storage import schema
 
@@ -87,6 +88,16 @@ def _fit_rows(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
+
+
+def frames_json(frames: Sequence[Frame]) -> str:
+    """A stack as stored: ``[[function, file, line], ...]``, root first (PostgreSQL refuses NUL characters)."""
+    return orjson.dumps([[_fit(fn, None), _fit(file, None), line] for fn, file, line in frames]).decode()
+
+
+def stack_digest(frames_text: str) -> bytes:
+    """What identifies a stored stack: 16 bytes of BLAKE2b over its JSON."""
+    return hashlib.blake2b(frames_text.encode(), digest_size=16).digest()
 
 
 class BoundedCache:
@@ -159,6 +170,8 @@ class Writer:
         self._windows = windows.on_conflict_do_update(
             index_elements=["service", "operation", "peer_service", "start_ns"],
             set_={c: windows.excluded[c] for c in ("end_ns", "count", "p50_ns", "p95_ns", "p99_ns", "max_ns")})
+        self._profile_stacks = upsert(engine, schema.profile_stacks).on_conflict_do_nothing()
+        self._profile_samples = upsert(engine, schema.profile_samples).on_conflict_do_nothing()
         spikes = upsert(engine, schema.spikes)
         self._spikes = spikes.on_conflict_do_update(
             index_elements=["id"],
@@ -191,6 +204,26 @@ class Writer:
         self._cache["operations"].update(pending.operations)
         self._cache["series"].update(pending.series)
         self._cache["host_touched"].update(pending.host_touched)
+
+    def write_profiles(self, stacks: Sequence[ProfileStack], now_ns: int | None = None) -> None:
+        """Commit sampling profiles in one transaction, or raise and commit nothing.
+
+        Each distinct stack is stored once (by the digest of its frames); a (process, window, stack) already
+        stored, as when an agent retries an export whose answer was lost, is kept as it was.
+        """
+        if not stacks:
+            return
+        now_s = (now_ns or time.time_ns()) // 1_000_000_000
+        texts = {s.frames: frames_json(s.frames) for s in stacks}
+        digests = {frames: stack_digest(text) for frames, text in texts.items()}
+        with self.engine.begin() as conn:
+            conn.execute(self._profile_stacks, [{"digest": digests[f], "frames": t} for f, t in texts.items()])
+            st = schema.profile_stacks
+            ids = dict(conn.execute(select(st.c.digest, st.c.id).where(st.c.digest.in_(set(digests.values())))).all())
+            rows = [{"stack_id": ids[digests[s.frames]], "host": s.host, "service": s.service, "pid": s.pid,
+                     "process": s.process, "kind": s.kind, "start_ns": s.start_unix_nano, "end_ns": s.end_unix_nano,
+                     "period_ns": s.period_ns, "samples": s.samples, "ingested_at": now_s} for s in stacks]
+            conn.execute(self._profile_samples, _fit_rows(schema.profile_samples, rows))
 
     def _write_spans(self, conn: Any, batch: WriteBatch, now_s: int, pending: _Caches) -> None:
         # The entries' own get: a method of ours around it would cost a Python call a span.
