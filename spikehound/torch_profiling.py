@@ -173,14 +173,15 @@ def profile_request(sample_rate: float = 0.01, top: int = 10, *, torch_module: A
         yield profile
         return
     try:
-        try:
-            profiler = torch.profiler.profile(activities=_activities(torch))
-            profiler.__enter__()
-        except Exception as exc:  # e.g. another profiler already runs: the request must not fail for it
-            _say_once(f"start:{type(exc).__name__}", "torch.profiler could not start (%s): requests run unprofiled "
-                      "while it cannot", exc, level=logging.WARNING)
-            yield profile
-            return
+        profiler = torch.profiler.profile(activities=_activities(torch))
+        profiler.__enter__()
+    except Exception as exc:  # e.g. another profiler already runs: the request must not fail for it
+        _busy.release()
+        _say_once(f"start:{type(exc).__name__}", "torch.profiler could not start (%s): requests run unprofiled "
+                  "while it cannot", exc, level=logging.WARNING)
+        yield profile
+        return
+    try:
         profile.sampled = True
         try:
             yield profile

@@ -213,6 +213,9 @@ def test_one_request_at_a_time_is_profiled_and_a_busy_profiler_costs_no_request(
             assert not refused.sampled
     assert sum("could not start" in r.getMessage() for r in caplog.records) <= 1  # said once per process
     assert not [s for s in exporter.get_finished_spans() if s.name == "refused" and (s.events or s.attributes)]
+    with profile_request(1.0, torch_module=StandInTorch()) as after:  # a failed start left nothing held
+        pass
+    assert after.sampled
 
 
 @pytest.fixture
