@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest --compare hop-streams --pairs 3
 	$(BIN)/python -m benchmarks.detection
 	$(BIN)/python -m benchmarks.agent_overhead
+	$(BIN)/python -m benchmarks.profiling_overhead
 	$(BIN)/python -m benchmarks.retention
 	$(BIN)/python -m benchmarks.compare
 	$(BIN)/python -m benchmarks.alert_latency
