@@ -28,6 +28,7 @@ from collector.ingest_queue import IngestQueue
 from collector.otlp_grpc import start_grpc
 from collector.otlp_http import HttpReceiver
 from collector.pipeline import IngestPipeline
+from collector.profiles_ingest import ProfileIngest
 from collector.rest.app import build_app
 from collector.retention import RetentionRunner
 from collector.storage_health import StorageHealth
@@ -68,6 +69,7 @@ class Collector:
         self._grpc: GrpcServer | None = None
         self._http: HttpServer | None = None
         self.pipeline: IngestPipeline | None = None
+        self.profiles: ProfileIngest | None = None  # the receivers' profiles path (tests reach its limits)
         self._listening = False
         self._reload_tasks: set[asyncio.Task[object]] = set()
         self.alerting: Alerting | None = None
@@ -116,7 +118,8 @@ class Collector:
         self.telemetry.queue_capacity.set(c.queue_capacity)
         retention = RetentionRunner(Retention(engine), self.telemetry, writer_thread)
         health = StorageHealth(self.telemetry)  # told by the pipeline's commits; asked by receivers and /readyz
-        self.pipeline = pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, retention,
+        writer = Writer(engine)
+        self.pipeline = pipeline = IngestPipeline(cfg, queue, writer, writer_thread, retention,
                                                   self.telemetry, health=health)
         self.telemetry.registry.register(pipeline.detector_metrics)
         install_exported_metrics(cfg, pipeline, self.telemetry, reader)
@@ -124,6 +127,8 @@ class Collector:
                                             clock=self.alerting_clock, health=health)
         pipeline.spike_listeners.append(alerting.observe)
         ingest = Ingest.configured(queue, self.telemetry, c, health)
+        # Profiles skip the queue: each export is its own transaction on the writer thread (low volume).
+        self.profiles = profiles = ProfileIngest(ingest, pipeline.write_aside, writer.write_profiles)
         if c.allow_unauthenticated_otlp and not (c.otlp_token or c.tls_client_ca_file) and not (
                 c.otlp_grpc.is_loopback and c.otlp_http.is_loopback):
             log.warning("OTLP receivers listen beyond loopback without collector.otlp_token or client certificates "
@@ -134,9 +139,10 @@ class Collector:
                                ssl_context=tls.http_context(c.api_tls_client_ca_file) if tls else None)
         self._grpc = GrpcServer("OTLP/gRPC", functools.partial(
             start_grpc, ingest, c.otlp_grpc, c.otlp_token, c.max_request_bytes,
-            credentials=tls.grpc_credentials() if tls else None, secured=describe(tls, c.tls_client_ca_file)),
+            credentials=tls.grpc_credentials() if tls else None, secured=describe(tls, c.tls_client_ca_file),
+            profiles=profiles),
             grace_seconds=GRPC_GRACE_SECONDS)  # in-flight exports still get their commit
-        self._http = HttpServer(HttpReceiver(ingest, c.otlp_token, c.max_request_bytes).app(), c.otlp_http,
+        self._http = HttpServer(HttpReceiver(ingest, c.otlp_token, c.max_request_bytes, profiles).app(), c.otlp_http,
                                 "OTLP/HTTP" + describe(tls, c.tls_client_ca_file),
                                 ssl_context=tls.http_context(c.tls_client_ca_file) if tls else None)
         # Alerting's groups and silences are restored before the API takes requests (a silence created

@@ -175,7 +175,7 @@ class Ingest:
         for kind, count in decoded.truncated.items():
             t.truncated.labels(signal, kind).inc(count)
         for (service, host), count in decoded.future.items():
-            self._wrong_clock(signal, service, host or "", count)
+            self.count_future(signal, service, host or "", count)
         if not decoded.accepted:
             if decoded.rejected:
                 raise InvalidPayload(decoded.error_message)
@@ -193,10 +193,10 @@ class Ingest:
             await asyncio.shield(submission.committed)
         except StorageUnavailable as exc:
             raise Unavailable(str(exc), self.health.retry_after()) from None
-        message = "; ".join(m for m in (decoded.error_message, self._truncation_note(decoded.truncated)) if m)
+        message = "; ".join(m for m in (decoded.error_message, self.truncation_note(decoded.truncated)) if m)
         return Accepted(decoded.rejected, message)
 
-    def _wrong_clock(self, signal: str, service: str, host: str, count: int) -> None:
+    def count_future(self, signal: str, service: str, host: str, count: int) -> None:
         """Count a sender's records dated beyond the clock, and say so once in a while, naming the sender."""
         key = (service, host)
         if key not in self._senders and len(self._senders) >= MAX_WRONG_CLOCK_SENDERS:
@@ -210,7 +210,8 @@ class Ingest:
                         "%.0f minutes per sender", count, signal, self.max_clock_skew_ns / NS, printable(service, 200),
                         printable(host, 200), WRONG_CLOCK_LOG_SECONDS / 60)
 
-    def _truncation_note(self, truncated: dict[str, int]) -> str:
+    def truncation_note(self, truncated: dict[str, int]) -> str:
+        """The warning an answer carries when values were cut to the limits ("" when none were)."""
         if not truncated:
             return ""
         lim = self.limits

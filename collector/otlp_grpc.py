@@ -1,4 +1,4 @@
-"""OTLP/gRPC receiver: TraceService and MetricsService on one grpc.aio server.
+"""OTLP/gRPC receiver: TraceService, MetricsService and ProfilesService on one grpc.aio server.
 
 Requests arrive as bytes and are parsed here, so that unreadable protobuf
 answers INVALID_ARGUMENT with a message (grpc's own decoding would answer
@@ -17,9 +17,11 @@ import grpc
 from google.protobuf.message import Message
 from google.rpc import code_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import ExportProfilesServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable
+from collector.profiles_ingest import ProfileIngest
 from collector.rest.auth import bearer_ok
 from spikehound.config import HostPort
 from spikehound.otlp import (
@@ -32,11 +34,13 @@ from spikehound.otlp import (
     parse_trace_request,
     retry_trailers,
 )
+from spikehound.otlp_profiles import parse_profiles_request
 
 log = logging.getLogger("spikehound.collector.grpc")
 
 TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 METRICS_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
+PROFILES_SERVICE = "opentelemetry.proto.collector.profiles.v1development.ProfilesService"
 MAX_CONCURRENT_RPCS = 256  # beyond this grpc itself answers RESOURCE_EXHAUSTED
 
 
@@ -54,11 +58,9 @@ class _Export:
         # garbage collector runs, which the collector's thresholds make rare: a flood of refused 16 MB exports
         # during an outage grew memory by gigabytes.
         counted = self.ingest.telemetry.rejected_requests
-        if self.token:
-            header = dict(context.invocation_metadata() or ()).get("authorization")
-            if not bearer_ok(header if isinstance(header, str) else None, self.token):
-                counted.labels("grpc", "unauthenticated").inc()
-                return self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if not _authorized(context, self.token):
+            counted.labels("grpc", "unauthenticated").inc()
+            return self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         # The body's bytes are held from before decoding (which takes about twice as much again) to the answer.
         with self.ingest.admission("grpc") as admission:
             try:
@@ -85,14 +87,67 @@ class _Export:
 
     def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
                 retry_after: int | None = None) -> Message:
-        """Answer ``code`` (the empty response is not sent with it); with ``retry_after``, a RetryInfo too."""
-        if retry_after is not None:
-            exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            rpc_code = code_pb2.RESOURCE_EXHAUSTED if exhausted else code_pb2.UNAVAILABLE
-            context.set_trailing_metadata(retry_trailers(rpc_code, message, retry_after))
-        context.set_code(code)
-        context.set_details(message)
-        return self.response()
+        return _refuse(context, code, message, retry_after, self.response())
+
+
+class _ProfilesExport:
+    """ProfilesService's Export: admitted like the others, then written on its own (collector/profiles_ingest.py)."""
+
+    def __init__(self, profiles: ProfileIngest, token: str) -> None:
+        self.profiles, self.ingest, self.token = profiles, profiles.ingest, token
+
+    async def export(self, body: bytes, context: grpc.aio.ServicerContext) -> Message:
+        # As _Export.export: refusals return rather than abort (the body would outlive the call).
+        counted = self.ingest.telemetry.rejected_requests
+        if not _authorized(context, self.token):
+            counted.labels("grpc", "unauthenticated").inc()
+            return _refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token", None,
+                           ExportProfilesServiceResponse())
+        with self.ingest.admission("grpc") as admission:
+            try:
+                self.ingest.check_storage("grpc")
+                with self.profiles.admit("grpc") as in_flight:
+                    admission.need(len(body))
+                    decoded = self.profiles.decode(parse_profiles_request(body))
+                    accepted = await self.profiles.submit(decoded, "grpc", admission, in_flight)
+            except PayloadError as exc:
+                counted.labels("grpc", "bad_payload").inc()
+                return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), None,
+                               ExportProfilesServiceResponse())
+            except InvalidPayload as exc:
+                return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), None,
+                               ExportProfilesServiceResponse())
+            except Overloaded as exc:
+                return _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after,
+                               ExportProfilesServiceResponse())
+            except Unavailable as exc:
+                return _refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after,
+                               ExportProfilesServiceResponse())
+        response = ExportProfilesServiceResponse()
+        if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
+            response.partial_success.rejected_profiles = accepted.rejected  # samples, as the HTTP answer says
+            response.partial_success.error_message = accepted.message
+        return response
+
+
+def _authorized(context: grpc.aio.ServicerContext, token: str) -> bool:
+    """Whether the call carries ``token`` as its bearer token (always, when no token is configured)."""
+    if not token:
+        return True
+    header = dict(context.invocation_metadata() or ()).get("authorization")
+    return bearer_ok(header if isinstance(header, str) else None, token)
+
+
+def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, retry_after: int | None,
+            response: Message) -> Message:
+    """Answer ``code`` (the empty ``response`` is not sent with it); with ``retry_after``, a RetryInfo too."""
+    if retry_after is not None:
+        exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        rpc_code = code_pb2.RESOURCE_EXHAUSTED if exhausted else code_pb2.UNAVAILABLE
+        context.set_trailing_metadata(retry_trailers(rpc_code, message, retry_after))
+    context.set_code(code)
+    context.set_details(message)
+    return response
 
 
 def _handler(service: str, export: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]
@@ -104,21 +159,25 @@ def _handler(service: str, export: Callable[[bytes, grpc.aio.ServicerContext], A
 
 async def start_grpc(ingest: Ingest, listen: HostPort, token: str, max_message_bytes: int,
                      credentials: grpc.ServerCredentials | None = None,
-                     secured: str = "") -> tuple[grpc.aio.Server, int]:
+                     secured: str = "", profiles: ProfileIngest | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the OTLP/gRPC server and return it with its bound port; OSError when it cannot bind.
 
-    With ``credentials`` it takes TLS only; ``secured`` says how, in the "listening on" line.
+    With ``credentials`` it takes TLS only; ``secured`` says how, in the "listening on" line. ProfilesService
+    is served when ``profiles`` is given.
     """
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
-    server.add_generic_rpc_handlers((
+    handlers = [
         _handler(TRACE_SERVICE, _Export(ingest, token, "spans", parse_trace_request, decode_spans,
                                         ExportTraceServiceResponse, "rejected_spans").export),
         _handler(METRICS_SERVICE, _Export(ingest, token, "metrics", parse_metrics_request, decode_metrics,
                                           ExportMetricsServiceResponse, "rejected_data_points").export),
-    ))
+    ]
+    if profiles is not None:
+        handlers.append(_handler(PROFILES_SERVICE, _ProfilesExport(profiles, token).export))
+    server.add_generic_rpc_handlers(tuple(handlers))
     address = str(listen)
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from collector.catch_up import CatchUp
 from collector.commit_hooks import CommitHooks
@@ -46,6 +46,7 @@ REPLAY_BLOCKS = 256  # span blocks read and fed to the detectors at a time when 
 REPLAY_POINTS = 20_000  # metric points likewise
 NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
 STALL_SECONDS = 10.0  # a write unanswered this long is an outage (see _write)
+T = TypeVar("T")
 
 
 class IngestPipeline:
@@ -483,6 +484,31 @@ class IngestPipeline:
         self.telemetry.write_seconds.observe(time.perf_counter() - started)
         await self._storage_wrote()
         return detected
+
+    async def write_aside(self, part: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run another signal's own transaction (``fn(*args)``, profiles) on the writer thread, between the
+        pipeline's commits, and tell ``health`` its outcome as a commit of the pipeline's would.
+
+        A success during an outage is storage's return (the windows are held for the backlogs, as after the
+        pipeline's own attempt). A failure during an outage is one more failed attempt, and outside one a
+        database out of reach or a full disk starts one; an error of any other kind outside an outage is that
+        write's own (``StorageHealth.note``), so one odd request cannot make the collector refuse every sender.
+        Raises StorageUnavailable when ``fn`` failed.
+        """
+        try:
+            result = await self.writer_thread.run(fn, *args)
+        except Exception as exc:
+            self.telemetry.write_errors.inc()
+            began = not self.health.episode
+            if self.health.episode:
+                self.health.failed(exc)
+            else:
+                self.health.note(part, exc)  # starts an episode when the database is away or the disk full
+            if began and self.health.episode:  # as _backoff: windows open now wait for the senders' backlogs
+                await self._begin_catch_up()
+            raise StorageUnavailable(f"storage write failed: {exc.__class__.__name__}") from exc
+        await self._storage_wrote()
+        return result
 
     async def _storage_wrote(self) -> None:
         if self.health.succeeded():

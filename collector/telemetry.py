@@ -16,20 +16,21 @@ class CollectorTelemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.received = Counter("spikehound_ingest_received", "Spans or metric points received, before validation.",
+        self.received = Counter("spikehound_ingest_received",
+                                "Spans, metric points or profile samples received, before validation.",
                                 ["signal", "protocol"], registry=r)
-        self.stored = Counter("spikehound_ingest_stored", "Spans or metric points committed to storage.",
-                              ["signal"], registry=r)
+        self.stored = Counter("spikehound_ingest_stored",
+                              "Spans, metric points or profile samples committed to storage.", ["signal"], registry=r)
         self.rejected = Counter("spikehound_ingest_rejected",
-                                "Spans or metric points rejected as invalid (reported to the sender, not retried).",
-                                ["signal", "reason"], registry=r)
+                                "Spans, metric points or profile samples rejected as invalid (reported to the sender, "
+                                "not retried).", ["signal", "reason"], registry=r)
         self.dropped = Counter("spikehound_ingest_dropped",
-                               "Spans or metric points not stored because the collector could not take them "
-                               "(queue full, storage down); the sender was told to retry.",
+                               "Spans, metric points or profile samples not stored because the collector could not "
+                               "take them (queue full, storage down); the sender was told to retry.",
                                ["signal", "reason"], registry=r)
         self.rejected_requests = Counter("spikehound_ingest_rejected_requests",
                                          "Whole export requests refused before decoding (bytes_in_flight, "
-                                         "storage_unavailable: told to retry later).",
+                                         "profiles_in_flight, storage_unavailable: told to retry later).",
                                          ["protocol", "reason"], registry=r)
         self.aborted_requests = Counter("spikehound_ingest_aborted_requests",
                                         "Export requests whose sender hung up before the whole body arrived.",
@@ -45,7 +46,7 @@ class CollectorTelemetry:
                                  "by signal and field; attributes_dropped counts attributes.",
                                  ["signal", "field"], registry=r)
         self.future = Counter("spikehound_ingest_future_records",
-                              "Spans and metric samples refused for being dated more than "
+                              "Spans, metric samples and profile samples refused for being dated more than "
                               "collector.max_clock_skew_seconds after the collector's clock, by signal and sender "
                               "(the first 100 senders; later ones as service and host \"other\").",
                               ["signal", "service", "host"], registry=r)

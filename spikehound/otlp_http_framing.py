@@ -65,12 +65,19 @@ class Framing:
     gzipped: bool
 
 
-def receiver_app(traces: Handler, metrics: Handler, max_request_bytes: int) -> web.Application:
-    """An application that takes ``POST /v1/traces`` and ``/v1/metrics`` bodies of up to ``max_request_bytes``."""
+PROFILES_PATH = "/v1development/profiles"  # OTLP/HTTP's path while the profiles signal is in development
+
+
+def receiver_app(traces: Handler, metrics: Handler, max_request_bytes: int,
+                 profiles: Handler | None = None) -> web.Application:
+    """An application that takes ``POST /v1/traces`` and ``/v1/metrics`` (and ``/v1development/profiles`` when
+    ``profiles`` is given) bodies of up to ``max_request_bytes``."""
     # aiohttp would inflate the body itself, without a size cap: read_body() does it with one.
     app = web.Application(client_max_size=max_request_bytes, handler_args={"auto_decompress": False})
     app.router.add_post("/v1/traces", traces)
     app.router.add_post("/v1/metrics", metrics)
+    if profiles is not None:
+        app.router.add_post(PROFILES_PATH, profiles)
     return app
 
 

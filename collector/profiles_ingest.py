@@ -1,0 +1,177 @@
+"""What both OTLP receivers do with a profiles export: admit it, decode it, commit it, answer.
+
+Profiles are low volume (one ``Profile`` per process and 10 s window, a few hundred stacks), so they do not
+go through the span and point ingest queue and its batches: each request is written in its own transaction
+on the collector's writer thread (``IngestPipeline.write_aside``, which reports the outcome to
+``StorageHealth`` as the pipeline's commits do) and answered once that transaction has committed. Requests
+in flight are bounded (``MAX_REQUESTS_IN_FLIGHT``, besides the byte budget both receivers share): past it the
+sender is told to retry later, as a full ingest queue does.
+
+>>> ProfileIngest.in_flight_message(8)
+'too many profile exports in flight (8); retry later'
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import ExportProfilesServiceRequest
+
+from collector.ingest import Accepted, Admission, Ingest, InvalidPayload, Overloaded, Unavailable
+from collector.storage_unavailable import StorageUnavailable
+from spikehound.model import ProfileStack
+from spikehound.otlp import MAX_TIME_NS, attributes
+from spikehound.otlp_profiles import DecodedProfiles, decode_profiles, stacks_of_samples
+
+SIGNAL = "profiles"
+MAX_REQUESTS_IN_FLIGHT = 8  # profile writes queue on the one writer thread, between the span commits
+MAX_STACKS_PER_REQUEST = 10_000  # rows of one write: a profiler sends a few hundred; an IN list stays bounded
+MAX_SAMPLES = 2**31 - 1  # profile_samples.samples is a 32-bit integer on PostgreSQL
+
+# Runs ``fn(*args)`` in its own transaction on the writer thread; StorageUnavailable when it failed.
+WriteAside = Callable[..., Awaitable[Any]]
+
+
+class InFlight:
+    """One profile export's place among those in flight, from before its body is read until its write ends.
+
+    A context manager like ``Admission``: leaving it frees the place, or, when the write is still running
+    (the sender hung up), once the write ends.
+    """
+
+    def __init__(self, owner: ProfileIngest) -> None:
+        self._owner = owner
+        self._until: asyncio.Future[Any] | None = None
+        self._held = True
+
+    def until(self, written: asyncio.Future[Any]) -> None:
+        self._until = written
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._until is not None and not self._until.done():
+            self._until.add_done_callback(self._release)
+        else:
+            self._release()
+
+    def _release(self, _: Any = None) -> None:
+        if self._held:
+            self._held = False
+            self._owner.in_flight -= 1
+
+
+class ProfileIngest:
+    """The receivers' profiles path: admission, decoding with the collector's limits, the write, the counters.
+
+    ``write_aside`` is the pipeline's (``IngestPipeline.write_aside``); used on the event loop only.
+    """
+
+    def __init__(self, ingest: Ingest, write_aside: WriteAside, write: Callable[[Sequence[ProfileStack]], None],
+                 *, max_in_flight: int = MAX_REQUESTS_IN_FLIGHT) -> None:
+        self.ingest = ingest
+        self.write_aside = write_aside
+        self.write = write  # Writer.write_profiles: run on the writer thread by write_aside
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    @staticmethod
+    def in_flight_message(count: int) -> str:
+        return f"too many profile exports in flight ({count}); retry later"
+
+    def admit(self, protocol: str) -> InFlight:
+        """A place among the exports in flight; Overloaded (counted) when there is none now."""
+        if self.in_flight >= self.max_in_flight:
+            self.ingest.telemetry.rejected_requests.labels(protocol, "profiles_in_flight").inc()
+            raise Overloaded(self.in_flight_message(self.in_flight), self.ingest.retry_after)
+        self.in_flight += 1
+        return InFlight(self)
+
+    def decode(self, request: ExportProfilesServiceRequest) -> DecodedProfiles:
+        """The request's stacks, cut to the collector's limits and checked against its clock."""
+        ingest = self.ingest
+        not_after = ingest.not_after_ns()
+        decoded = decode_profiles(request, limits=ingest.limits, not_after_ns=not_after)
+        if decoded.future:
+            for (service, host), count in _future_senders(request, not_after, ingest.limits.resource_name).items():
+                ingest.count_future(SIGNAL, service, host, count)
+        _bound(decoded)
+        return decoded
+
+    async def submit(self, decoded: DecodedProfiles, protocol: str, admission: Admission,
+                     in_flight: InFlight) -> Accepted:
+        """Write the valid stacks and return once they are committed (counted by samples, as decoded).
+
+        InvalidPayload when nothing in the request can be stored, Unavailable when the write failed.
+        """
+        t = self.ingest.telemetry
+        accepted = stacks_of_samples(decoded.stacks)
+        t.received.labels(SIGNAL, protocol).inc(accepted + decoded.rejected)
+        if decoded.rejected:
+            t.rejected.labels(SIGNAL, "invalid").inc(decoded.rejected)
+        for kind, count in decoded.truncated.items():
+            t.truncated.labels(SIGNAL, kind).inc(count)
+        if not decoded.stacks:
+            if decoded.rejected or decoded.errors:
+                raise InvalidPayload(decoded.error_message)
+            return Accepted(0, "")
+        write = asyncio.ensure_future(self.write_aside("profile write", self.write, decoded.stacks))
+        write.add_done_callback(_retrieve)  # a sender gone before the answer must not leave it unretrieved
+        # The request's bytes and its place stay taken until the write ends, even if its sender hangs up.
+        admission.until(write)
+        in_flight.until(write)
+        try:
+            # Shielded: a sender that hangs up must not cancel a transaction under way.
+            await asyncio.shield(write)
+        except StorageUnavailable as exc:
+            t.dropped.labels(SIGNAL, "storage_error").inc(accepted)
+            health = self.ingest.health
+            # Outside an outage (this write's own error) there is no next attempt to wait for.
+            retry_after = self.ingest.retry_after if health.available else health.retry_after()
+            raise Unavailable(str(exc), retry_after) from None
+        t.stored.labels(SIGNAL).inc(accepted)
+        message = "; ".join(m for m in (decoded.error_message, self.ingest.truncation_note(decoded.truncated)) if m)
+        return Accepted(decoded.rejected, message)
+
+
+def _bound(decoded: DecodedProfiles) -> None:
+    """Refuse what storage cannot take: counts past its integer, stacks past one write's rows."""
+    kept: list[ProfileStack] = []
+    for stack in decoded.stacks:
+        if stack.samples > MAX_SAMPLES:
+            decoded.reject(f"profile of pid {stack.pid} on {stack.host}: a stack counts {stack.samples} samples, "
+                           f"more than {MAX_SAMPLES}", stack.samples)
+        elif len(kept) >= MAX_STACKS_PER_REQUEST:
+            decoded.reject(f"more than {MAX_STACKS_PER_REQUEST} stacks in one request: the rest was refused; "
+                           "send fewer at a time", stack.samples)
+        else:
+            kept.append(stack)
+    decoded.stacks = kept
+
+
+def _future_senders(request: ExportProfilesServiceRequest, not_after_ns: int,
+                    name_limit: int) -> dict[tuple[str, str], int]:
+    """Samples of profiles dated after ``not_after_ns``, by (service, host) of their resource, as the decoder
+    refuses them, for the wrong-clock counter; walked only when the decoder found some."""
+    found: dict[tuple[str, str], int] = {}
+    for rp in request.resource_profiles:
+        resource = attributes(rp.resource.attributes)
+        service, host = resource.get("service.name"), resource.get("host.name")
+        if not isinstance(host, str) or not host:
+            continue  # refused for having no host, not for its clock
+        key = ((service if isinstance(service, str) else "")[:name_limit], host[:name_limit])
+        for sp in rp.scope_profiles:
+            for profile in sp.profiles:
+                end = profile.time_unix_nano + profile.duration_nano
+                if profile.time_unix_nano and profile.duration_nano > 0 and not_after_ns < end <= MAX_TIME_NS:
+                    samples = sum(sum(s.values[:1]) for s in profile.samples)
+                    found[key] = found.get(key, 0) + samples
+    return found
+
+
+def _retrieve(write: asyncio.Future[Any]) -> None:
+    if not write.cancelled():
+        write.exception()
