@@ -168,12 +168,17 @@ def _no_profiles(wanted: Sequence[tuple[str | None, str | None]]) -> str:
 
 
 def culprit_line(reader: Reader, spike: Spike, now_ns: int | None = None, max_rows: int = 20_000) -> str | None:
-    """The one line alerts add when the profile names a clear culprit; None otherwise."""
+    """The line alerts add when the profile names a clear culprit (the ``profile`` annotation); None otherwise.
+
+    Alerts are rendered when the spike opens (after the route's group wait), so this reads what is stored by
+    then: the spike's first windows, enough for a culprit that is clear; a later notification of the same
+    spike (a repeat, the resolve notice) reads again and may name it when the first could not.
+    """
     found = spike_profile(reader, spike, now_ns, max_rows).culprit
     if found is None:
         return None
     group, change = found
-    return f"Profile: {sentence(change, group.service or group.host)} ({group.host})"
+    return f"{sentence(change, group.service or group.host)} (on {group.host})"
 
 
 # --- the JSON of the API, the page and the CLI ------------------------------------------------

@@ -126,7 +126,7 @@ def test_the_periods_leave_out_the_gap_and_the_windows_after_the_spike(engine: A
     (group,) = spike_profile(Reader(engine), spike).groups
     assert (group.diff.samples_spike, group.diff.samples_baseline) == (628 * 6, 317 * 30)
     assert culprit_line(Reader(engine), spike) == (
-        "Profile: burn_cpu in preprocess: 53% of samples during the spike against 6% before (gpu-1)")
+        "burn_cpu in preprocess: 53% of samples during the spike against 6% before (on gpu-1)")
 
 
 def test_processes_are_read_in_the_causes_order_and_counted_once(tmp_path: Path):

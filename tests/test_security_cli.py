@@ -80,7 +80,8 @@ def test_spike_shows_escapes_instead_of_obeying_them(api: str, capsys: pytest.Ca
                         r"POST /v1\x1b[8m secret\x0d\x08\x08\x9b31m")
     assert lines[2] == (r"  1. [span] Span \u202etxt.exe\u202c was slow\x0aFAKE: all clear "
                         r"(explains 80% of the added latency)")
-    assert lines[3] == r"  Profile: gate\x1b[2J\x1b]0;owned\x07way on gpu-1 (cpu samples: 628 during the spike, 317 before):"
+    assert lines[3] == (r"  Profile: gate\x1b[2J\x1b]0;owned\x07way on gpu-1 (cpu samples: 628 during the spike, "
+                        r"317 before):")
     assert lines[4] == (r"    1. burn\x1b]0;owned\x07_cpu in gate\x1b[2J\x1b]0;owned\x07way: 53% of samples during the "
                         r"spike against 6% before (stack.py\x1b[2J)  <- culprit")
     assert len(lines) == 7  # the summary's newline did not make a line of its own

@@ -3,9 +3,9 @@ clear, and the merged flame tree; on recorded py-spy stacks (``tests/fixtures/pr
 
 from __future__ import annotations
 
-from spikehound.model import ProfileStack
 from detectors import stack_diff
 from detectors.stack_diff import diff_stacks, judge, sentence
+from spikehound.model import ProfileStack
 from tests.support.profiles import windows
 
 T0 = 1_750_000_000 * 10**9
