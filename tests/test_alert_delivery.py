@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -192,6 +193,32 @@ def test_without_a_clear_culprit_or_when_profiles_cannot_be_read_the_alert_goes_
     assert all("profile" not in a["annotations"] for e in hook.events.values() for a in e.json["alerts"])
     said = [r.getMessage() for r in caplog.records if "without their profile line" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError: a bug in the profile read" in said[0]
+
+
+def test_a_profile_read_that_hangs_holds_the_alert_two_seconds_at_most(tmp_path, hook):
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}", [{"name": "pager", "type": "webhook", "url": hook.url,
+                                                          "signing_secret": SECRET.decode()}])
+    with CollectorThread(cfg) as running:
+        release = threading.Event()
+
+        def hung(*args: Any, **kwargs: Any) -> Any:
+            release.wait(30)
+            return []
+
+        running.collector.alerting.reader.profile_stacks = hung  # type: ignore[method-assign]
+        try:
+            began = time.monotonic()
+            observe(running, spike(1))
+            hook.wait_events(1)
+            waited = time.monotonic() - began
+            observe(running, spike(2, service="postprocess"))  # while the first read still hangs: none beside it
+            hook.wait_events(2)
+            assert time.monotonic() - began - waited < 1.5
+        finally:
+            release.set()
+        assert 2.0 <= waited < 5.0
+        assert running.metric("spikehound_alert_profile_errors_total") == 2
+    assert all("profile" not in a["annotations"] for e in hook.events.values() for a in e.json["alerts"])
 
 
 # --- webhooks ----------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ class Alerting:
         self.delivery = OutboxDelivery(cfg.alerts, self.store, self.telemetry, clock=clock, health=self.health)
         self.reader = Reader(engine)  # the profile lines of alerts
         self._profile_error_logged = False
+        self._profile_read: asyncio.Future[dict[str, str]] | None = None  # the last read, maybe still running
         self._unsaved = Decision()
         self._event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -195,9 +196,14 @@ class Alerting:
         spikes = {a.spike.id: a.spike for n in notes for a in n.alerts if "profile" not in a.annotations}
         if not spikes:
             return list(notes)
+        if self._profile_read is not None and not self._profile_read.done():
+            # A read that timed out still holds a thread (a hung database): no second one beside it.
+            self._profile_failed(f"an earlier read is still running after {PROFILE_SECONDS:g} s")
+            return list(notes)
+        read = asyncio.ensure_future(asyncio.to_thread(self._profile_lines, list(spikes.values())[:PROFILE_SPIKES]))
+        self._profile_read = read
         try:
-            lines = await asyncio.wait_for(asyncio.to_thread(self._profile_lines, list(spikes.values())[
-                :PROFILE_SPIKES]), PROFILE_SECONDS)
+            lines = await asyncio.wait_for(asyncio.shield(read), PROFILE_SECONDS)
         except TimeoutError:
             self._profile_failed(f"no answer within {PROFILE_SECONDS:g} s")
             return list(notes)
