@@ -93,6 +93,7 @@ def known_cases(schema: BaseSchema, api: str) -> list[Case]:
                                       "/metrics")]
     for spike in get("/api/v1/spikes")["spikes"]:
         cases.append(case("GET", "/api/v1/spikes/{spike_id}", {"spike_id": spike["id"]}))
+        cases.append(case("GET", "/api/v1/spikes/{spike_id}/profile", {"spike_id": spike["id"]}))
         cases += [case("GET", "/api/v1/traces/{trace_id}", {"trace_id": t}) for t in spike["exemplar_trace_ids"]]
         cases.append(case("GET", "/api/v1/latency", query={"service": spike["service"], "since": START_S,
                                                            "until": END_S, "peer_service": spike["peer_service"]}))

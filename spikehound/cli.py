@@ -201,12 +201,43 @@ def cmd_spike(args: argparse.Namespace) -> int:
             print(_safe(f"    {hop}{stream['service']} {stream['operation']}: p99 {stream['p99_ms']:.1f} ms against "
                         f"{stream['baseline_p99_ms']:.1f} ms, {stream['slow_requests']} slow request(s), "
                         f"evidence {stream['evidence']:.1f} from {stream['start']}"))
+    _print_profile(args.api_url, spike["id"])
     for trace_id in spike["exemplar_trace_ids"]:
         print(_safe(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}"))
     from collector.web.links import spike_page_url
 
     print(_safe(f"  page  {spike_page_url(args.api_url, spike['id'])}"))
     return 0
+
+
+PROFILE_CHANGES_SHOWN = 3
+
+
+def _print_profile(api_url: str, spike_id: str) -> None:
+    """The spike's "Profile" section: per profiled process, the functions whose own share of the samples grew
+    most; a collector without the route (older) or a failed read costs the section only."""
+    try:
+        body = _api_get(api_url, f"/api/v1/spikes/{urllib.parse.quote(spike_id, safe='')}/profile",
+                        {"limit": str(PROFILE_CHANGES_SHOWN)})
+        groups = body["profiles"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # urllib's errors are OSErrors, bad JSON ValueError
+        print(_safe(f"  Profile: not available ({exc.__class__.__name__})"))
+        return
+    if not groups:
+        print(_safe(f"  Profile: {body.get('reason') or 'no profiles in the spike windows'}"))
+        return
+    for g in groups:
+        print(_safe(f"  Profile: {g['service'] or '?'} on {g['host']} ({g['kind']} samples: "
+                    f"{g['samples_spike']} during the spike, {g['samples_baseline']} before):"))
+        grown = [c for c in g["changes"] if c["self_spike"] > c["self_baseline"]]
+        for rank, change in enumerate(grown, 1):
+            mark = "  <- culprit" if g["culprit"] and change["function"] == g["culprit"]["function"] \
+                and change["file"] == g["culprit"]["file"] else ""
+            print(_safe(f"    {rank}. {change['sentence']} ({change['file']}){mark}"))
+        if not grown:
+            print("    no function took a larger share of the samples")
+        if g["why_unclear"]:
+            print(_safe(f"    no clear culprit: {g['why_unclear']}"))
 
 
 def _host_port(text: str) -> HostPort:

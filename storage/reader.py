@@ -34,6 +34,9 @@ from storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQ
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
 MAX_PROFILE_ROWS = 200_000  # (process, window, stack) rows one profile read may bring back
+# The longest profile window a read looks back for (the agent's are 10 s): it bounds the index range a read
+# scans to the period asked for, instead of every older window of the service or host.
+MAX_PROFILE_WINDOW_NS = 600 * 1_000_000_000
 
 
 @dataclass(slots=True, frozen=True)
@@ -306,10 +309,12 @@ class Reader:
     def profile_stacks(self, since_ns: int, until_ns: int, *, service: str | None = None, host: str | None = None,
                        limit: int = MAX_PROFILE_ROWS) -> list[ProfileStack]:
         """The sampled stacks of profile windows overlapping ``[since_ns, until_ns)``, of ``service`` and/or
-        ``host`` when given, oldest window first (at most ``limit`` rows)."""
+        ``host`` when given, oldest window first (at most ``limit`` rows); windows longer than
+        ``MAX_PROFILE_WINDOW_NS`` are not looked for."""
         ps, st = schema.profile_samples, schema.profile_stacks
         query = (select(ps, st.c.frames).join(st, st.c.id == ps.c.stack_id)
-                 .where(ps.c.start_ns < until_ns, ps.c.end_ns > since_ns))
+                 .where(ps.c.start_ns < until_ns, ps.c.start_ns > since_ns - MAX_PROFILE_WINDOW_NS,
+                        ps.c.end_ns > since_ns))
         if service is not None:
             query = query.where(ps.c.service == service)
         if host is not None:

@@ -15,6 +15,7 @@ from sqlalchemy import Engine, event
 
 from harness.daemons import CollectorThread, collector_config
 from harness.pgserver import PostgresServer, find_pg_bin
+from spikehound.model import ProfileStack
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.reader import Reader
@@ -98,6 +99,10 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Reader, 
                 for i in range(60)],
         windows=[window(T0 + i * 10 * S, 10, operation=f"op-{i % 3}") for i in range(60)],
         spikes=SPIKES), now_ns=NOW)
+    writer.write_profiles([ProfileStack(host="gpu-1", service="preprocess", pid=1, process="python3",
+                                        start_unix_nano=T0 + i * 10 * S, end_unix_nano=T0 + (i + 1) * 10 * S,
+                                        frames=(("main", "app.py", 1), (f"f{i % 4}", "app.py", 2)), samples=5)
+                           for i in range(60)], now_ns=NOW)
     statements: list[tuple[str, Any]] = []
 
     @event.listens_for(eng, "before_cursor_execute")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -24,8 +25,12 @@ from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound.config import Config
 from spikehound.model import Spike
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.writer import Writer
 from tests.support.alert_receivers import HookReceiver, signature_ok
-from tests.support.alert_spikes import PREPROCESS, SLOW_QUERY, ended, spike
+from tests.support.alert_spikes import PREPROCESS, SLOW_QUERY, S, ended, spike
+from tests.support.profiles import windows as profile_windows
 
 PUBLIC = "https://spikehound.example.com"
 SECRET = b"webhook-signing-s3cret"
@@ -129,6 +134,91 @@ def test_a_huge_group_with_hostile_names_still_fits_slack(tmp_path):
     text = "\n".join(t for b in message["blocks"] for t in _texts(b))
     assert "Span &lt;@U123&gt; &amp; yyy" in text  # the top cause is there, clipped
     assert "and 20 more streams" in text
+
+
+# --- the profile line ----------------------------------------------------------------------------
+
+
+def _profiled(db_url: str, s: Spike) -> None:
+    """The normal profile of preprocess on gpu-1 (the spike's top cause) before ``s``, the hot one since."""
+    engine = make_engine(db_url)
+    upgrade(engine)
+    Writer(engine).write_profiles(profile_windows("preprocess-before.folded", s.start_unix_nano - 600 * S, 60)
+                                  + profile_windows("preprocess-spike.folded", s.start_unix_nano, 3))
+    engine.dispose()
+
+
+PROFILE_LINE = "burn_cpu in preprocess: 53% of samples during the spike against 6% before (on gpu-1)"
+
+
+@pytest.mark.parametrize("kind", ["slack", "webhook"])
+def test_a_clear_culprit_in_the_profile_adds_one_line_to_the_alert(tmp_path, kind):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    s = spike(1)
+    _profiled(url, s)
+    with HookReceiver() as receiver:
+        where = "url_secret" if kind == "slack" else "url"
+        with CollectorThread(config(url, [{"name": "oncall", "type": kind, where: receiver.url}])) as running:
+            observe(running, s)
+            (got,) = receiver.wait_events(1)
+    if kind == "slack":
+        check_block_kit(got.json)
+        (causes,) = [t for b in got.json["blocks"] for t in _texts(b) if t.startswith("*Top causes*")]
+        assert causes.splitlines()[1:] == [
+            f"1. [span] {SLOW_QUERY.summary} _(explains 96% of the added latency)_",
+            f"2. [service] {PREPROCESS.summary} _(explains 84% of the added latency)_",
+            f"*Profile:* {PROFILE_LINE}"]
+    else:
+        assert got.json["alerts"][0]["annotations"]["profile"] == PROFILE_LINE
+
+
+def test_without_a_clear_culprit_or_when_profiles_cannot_be_read_the_alert_goes_out_without_the_line(
+        tmp_path, hook, caplog):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    cfg = config(url, [{"name": "pager", "type": "webhook", "url": hook.url, "signing_secret": SECRET.decode()}])
+    with CollectorThread(cfg) as running:
+        observe(running, spike(1))  # no profiles at all
+        (plain,) = hook.wait_events(1)
+        alerting = running.collector.alerting
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug in the profile read")
+
+        alerting.reader.profile_stacks = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="spikehound.collector.alerts"):
+            observe(running, spike(2, service="postprocess"), spike(3, service="model-server"))
+            hook.wait_events(3)
+        assert running.metric("spikehound_alert_profile_errors_total") == 2
+    assert "profile" not in plain.json["alerts"][0]["annotations"]
+    assert all("profile" not in a["annotations"] for e in hook.events.values() for a in e.json["alerts"])
+    said = [r.getMessage() for r in caplog.records if "without their profile line" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: a bug in the profile read" in said[0]
+
+
+def test_a_profile_read_that_hangs_holds_the_alert_two_seconds_at_most(tmp_path, hook):
+    cfg = config(f"sqlite:///{tmp_path / 'db.sqlite'}", [{"name": "pager", "type": "webhook", "url": hook.url,
+                                                          "signing_secret": SECRET.decode()}])
+    with CollectorThread(cfg) as running:
+        release = threading.Event()
+
+        def hung(*args: Any, **kwargs: Any) -> Any:
+            release.wait(30)
+            return []
+
+        running.collector.alerting.reader.profile_stacks = hung  # type: ignore[method-assign]
+        try:
+            began = time.monotonic()
+            observe(running, spike(1))
+            hook.wait_events(1)
+            waited = time.monotonic() - began
+            observe(running, spike(2, service="postprocess"))  # while the first read still hangs: none beside it
+            hook.wait_events(2)
+            assert time.monotonic() - began - waited < 1.5
+        finally:
+            release.set()
+        assert 2.0 <= waited < 5.0
+        assert running.metric("spikehound_alert_profile_errors_total") == 2
+    assert all("profile" not in a["annotations"] for e in hook.events.values() for a in e.json["alerts"])
 
 
 # --- webhooks ----------------------------------------------------------------------------------

@@ -24,12 +24,22 @@ SPIKE = {"id": "sp\x1b[1m1", "service": HOSTILE_SERVICE, "operation": HOSTILE_OP
                      "host": None, "resource": None, "score": 0.8, "baseline": 2.0, "observed": 172.0, "unit": "ms",
                      "summary": HOSTILE_SUMMARY}],
          "exemplar_trace_ids": ["0af7651916cd43dd8448eb211c80319c"]}
+HOSTILE_FUNCTION = "burn\x1b]0;owned\x07_cpu"
+CHANGE = {"function": HOSTILE_FUNCTION, "file": "stack.py\x1b[2J", "self_spike": 0.53, "self_baseline": 0.06,
+          "total_spike": 0.53, "total_baseline": 0.06, "samples_spike": 332, "samples_baseline": 19,
+          "self_samples_spike": 332, "self_samples_baseline": 19,
+          "sentence": f"{HOSTILE_FUNCTION} in {HOSTILE_SERVICE}: 53% of samples during the spike against 6% before"}
+PROFILE = {"spike_id": SPIKE["id"], "culprit": None, "reason": None, "profiles": [
+    {"service": HOSTILE_SERVICE, "host": "gpu-1", "kind": "cpu", "processes": [], "samples_spike": 628,
+     "samples_baseline": 317, "culprit": CHANGE, "why_unclear": None, "changes": [CHANGE], "flame": {}}]}
 UNPRINTABLE = [chr(c) for c in (*range(0x20), *range(0x7f, 0xa0))] + ["\u202e", "\u202c"]
 
 
 class _Api(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        if self.path.startswith("/api/v1/spikes/"):
+        if self.path.startswith("/api/v1/spikes/") and "/profile" in self.path:
+            status, body = 200, PROFILE
+        elif self.path.startswith("/api/v1/spikes/"):
             status, body = 200, SPIKE
         elif self.path.startswith("/api/v1/spikes"):
             status, body = 200, {"spikes": [SPIKE]}
@@ -70,7 +80,11 @@ def test_spike_shows_escapes_instead_of_obeying_them(api: str, capsys: pytest.Ca
                         r"POST /v1\x1b[8m secret\x0d\x08\x08\x9b31m")
     assert lines[2] == (r"  1. [span] Span \u202etxt.exe\u202c was slow\x0aFAKE: all clear "
                         r"(explains 80% of the added latency)")
-    assert len(lines) == 5  # the summary's newline did not make a line of its own
+    assert lines[3] == (r"  Profile: gate\x1b[2J\x1b]0;owned\x07way on gpu-1 (cpu samples: 628 during the spike, "
+                        r"317 before):")
+    assert lines[4] == (r"    1. burn\x1b]0;owned\x07_cpu in gate\x1b[2J\x1b]0;owned\x07way: 53% of samples during the "
+                        r"spike against 6% before (stack.py\x1b[2J)  <- culprit")
+    assert len(lines) == 7  # the summary's newline did not make a line of its own
 
 
 def test_spikes_table_shows_escapes_instead_of_obeying_them(api: str, capsys: pytest.CaptureFixture[str]):

@@ -585,6 +585,14 @@ QUERIES: dict[str, tuple[Callable[[Reader], object], list[str]]] = {
                      ["SEARCH trace_blocks", "(trace_id=?)", "SEARCH span_blocks USING INTEGER PRIMARY KEY"]),
     "dependencies": (lambda r: [r.dependencies(T0, T0 + 3600 * S)],  # [] is an answer too
                      ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>?)"]),
+    # The profile diff at spike time: the windows of a period, by service or host, however long ago.
+    "profile stacks of a service": (
+        lambda r: r.profile_stacks(T0 + 60 * S, T0 + 120 * S, service="preprocess"),
+        ["SEARCH profile_samples USING INDEX ix_profile_samples_service (service=? AND start_ns>? AND start_ns<?)",
+         "SEARCH profile_stacks USING INTEGER PRIMARY KEY"]),
+    "profile stacks of a host": (
+        lambda r: r.profile_stacks(T0 + 60 * S, T0 + 120 * S, host="gpu-1"),
+        ["SEARCH profile_samples USING INDEX ix_profile_samples_host (host=? AND start_ns>? AND start_ns<?)"]),
     # compare and the serving analyses: the blocks of an event-time range, however long ago.
     "span blocks of a time range": (lambda r: list(r.span_payloads(T0, T0 + 3600 * S)),
                                     ["SEARCH span_blocks USING INDEX ix_span_blocks_end_ns (end_ns>? AND end_ns<?)"]),

@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 
 from harness.chromium import CHROMIUM, CHROMIUM_ARGS
-from harness.daemons import CollectorThread
+from harness.daemons import CollectorThread, collector_config
+from spikehound.model import ProfileStack
+from storage.engine import make_engine
+from storage.migrate import upgrade
+from storage.writer import Writer
+from tests.support.profiles import S, seed
 from tests.support.web_scenarios import (
     EVIL_ATTRIBUTE,
     EVIL_SERVICE,
@@ -218,3 +223,54 @@ def test_with_a_token_the_browser_logs_in_once(data: SpikeData, browser: Any, tm
             assert page.locator("table.spikes").is_visible()
         finally:
             w.close()
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorThread]:
+    """A collector holding spike sp-hot, whose top cause's process (preprocess on gpu-1) burns CPU in burn_cpu
+    during it (tests/fixtures/profiles/), and a function named with markup by a hostile process."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('profiled') / 'spikehound.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    start = 1_767_225_600 * S
+    seed(Writer(engine), "sp-hot", start)
+    Writer(engine).write_profiles([ProfileStack(
+        host="gpu-1", service="preprocess", pid=4243, process="python3", start_unix_nano=start,
+        end_unix_nano=start + 10 * S, frames=(("<module>", "stack.py", 1), (EVIL_SPAN, EVIL_ATTRIBUTE, 7)),
+        samples=40)])
+    engine.dispose()
+    with CollectorThread(collector_config(url)) as collector:
+        yield collector
+
+
+def test_the_profile_section_names_the_hot_function_first_and_draws_its_box(profiled: CollectorThread,
+                                                                           watched: Watched):
+    page = watched.open(f"{profiled.api}/ui/spikes/sp-hot")
+    section = page.locator("section.profile")
+    assert section.locator("h3").first.inner_text().startswith("preprocess on gpu-1")
+    assert section.locator("p.culprit strong").inner_text() == "burn_cpu"
+    first = section.locator("table.profile tbody tr").first
+    assert first.locator("td").first.inner_text() == "burn_cpu"
+    assert "culprit" in (first.get_attribute("class") or "")
+    # The flame graph: a box for burn_cpu about half as wide as the whole (53% of the spike's samples), red.
+    flame = section.locator(".flame").first
+    whole = flame.bounding_box()
+    boxes = flame.locator(".fbox[data-function='burn_cpu']")
+    assert boxes.count() == 1 and boxes.first.is_visible()
+    box = boxes.first.bounding_box()
+    assert whole and box and 0.45 * whole["width"] < box["width"] < 0.6 * whole["width"]
+    red, _, blue = (int(x) for x in boxes.first.evaluate("e => getComputedStyle(e).backgroundColor")
+                    .removeprefix("rgb(").removesuffix(")").split(","))
+    assert red > blue
+    assert "53% of samples during the spike" in (boxes.first.get_attribute("title") or "")
+    root = flame.locator(".fbox[data-function='all']").bounding_box()
+    assert root and abs(root["width"] - whole["width"]) <= 1
+    # The hostile process's function shows as text in the table and the graph, and ran nothing.
+    assert section.get_by_text(EVIL_SPAN).first.is_visible()
+    assert flame.locator(".fbox", has_text=EVIL_SPAN).count() == 1
+    assert page.locator("img, svg").count() == 0
+    page.wait_for_timeout(300)
+    assert watched.dialogs == [] and watched.errors == []
+    assert [m for m in watched.console if m.startswith("error")] == []
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "spike-page-profile.png"), full_page=True)

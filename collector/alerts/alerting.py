@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 
+from collector.alerts.notification import Notification
 from collector.alerts.outbox import OutboxDelivery
 from collector.alerts.routing import Decision, Router
 from collector.alerts.silences import Silence
 from collector.alerts.store import AlertStore
 from collector.alerts.telemetry import AlertTelemetry
 from collector.notifiers import notifier_for
-from collector.storage_health import StorageHealth
+from collector.spike_profile import culprit_line
+from collector.storage_health import DATABASE_AWAY, StorageHealth
 from collector.writer_thread import WriterThread
 from spikehound.config import Config
 from spikehound.model import Spike
@@ -48,6 +51,10 @@ GAUGE_SECONDS = 15.0
 RETENTION_SECONDS = 300.0
 STOP_GRACE_SECONDS = 5.0
 MAX_OPEN_SPIKES_READ = 100_000
+# The profile line of an alert (collector/spike_profile.py) is read before the notification is rendered: at most
+# this long per flush, so a slow database delays no alert by more, and for at most this many spikes a flush.
+PROFILE_SECONDS = 2.0
+PROFILE_SPIKES = 20
 
 
 def public_url(cfg: Config, api_port: int) -> str:
@@ -71,6 +78,9 @@ class Alerting:
         self.router = Router(cfg.alerts, clock=clock)
         self.telemetry = AlertTelemetry(registry, lambda: self.router.counts)
         self.delivery = OutboxDelivery(cfg.alerts, self.store, self.telemetry, clock=clock, health=self.health)
+        self.reader = Reader(engine)  # the profile lines of alerts
+        self._profile_error_logged = False
+        self._profile_read: asyncio.Future[dict[str, str]] | None = None  # the last read, maybe still running
         self._unsaved = Decision()
         self._event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -154,7 +164,7 @@ class Alerting:
         if not decision:
             return
         entries = []
-        for note in decision.notifications:
+        for note in await self._with_profiles(decision.notifications):
             receiver = next((r for r in self.cfg.alerts.receivers if r.name == note.receiver), None)
             if receiver is None:
                 log.error("alert for group %s dropped: receiver %r is not configured", note.group_key, note.receiver)
@@ -176,6 +186,57 @@ class Alerting:
                      note.status, note.group_key, len(note.alerts))
         if added:
             self.delivery.wake()
+
+    async def _with_profiles(self, notes: Sequence[Notification]) -> list[Notification]:
+        """``notes`` with a ``profile`` annotation on each alert whose spike's profile names a clear culprit.
+
+        Never fails and never holds routing long: a read that errs or takes over PROFILE_SECONDS costs the
+        line only (counted in spikehound_alert_profile_errors, logged once).
+        """
+        spikes = {a.spike.id: a.spike for n in notes for a in n.alerts if "profile" not in a.annotations}
+        if not spikes:
+            return list(notes)
+        if self._profile_read is not None and not self._profile_read.done():
+            # A read that timed out still holds a thread (a hung database): no second one beside it.
+            self._profile_failed(f"an earlier read is still running after {PROFILE_SECONDS:g} s")
+            return list(notes)
+        read = asyncio.ensure_future(asyncio.to_thread(self._profile_lines, list(spikes.values())[:PROFILE_SPIKES]))
+        self._profile_read = read
+        try:
+            lines = await asyncio.wait_for(asyncio.shield(read), PROFILE_SECONDS)
+        except TimeoutError:
+            self._profile_failed(f"no answer within {PROFILE_SECONDS:g} s")
+            return list(notes)
+        if not lines:
+            return list(notes)
+        return [dataclasses.replace(n, alerts=tuple(
+            dataclasses.replace(a, annotations={**a.annotations, "profile": lines[a.spike.id]})
+            if a.spike.id in lines else a for a in n.alerts)) for n in notes]
+
+    def _profile_lines(self, spikes: list[Spike]) -> dict[str, str]:
+        """On a worker thread: the culprit line of each spike that has one."""
+        lines = {}
+        now_ns = int(self.clock() * NS)
+        for spike in spikes:
+            try:
+                line = culprit_line(self.reader, spike, now_ns)
+            except DATABASE_AWAY as exc:
+                self.health.note("reading profiles for an alert (sent without the profile line)", exc)
+                self._profile_failed(None)
+                return lines
+            except Exception as exc:
+                self._profile_failed(f"{exc.__class__.__name__}: {exc}")
+                continue
+            if line:
+                lines[spike.id] = line
+        return lines
+
+    def _profile_failed(self, why: str | None) -> None:
+        self.telemetry.profile_errors.inc()
+        if why is not None and not self._profile_error_logged:
+            self._profile_error_logged = True
+            log.warning("alerts are sent without their profile line: %s (said once; counted in "
+                        "spikehound_alert_profile_errors_total)", why)
 
     async def _housekeeping(self) -> None:
         now = self.clock()

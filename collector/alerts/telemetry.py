@@ -43,4 +43,7 @@ class AlertTelemetry:
         self.state_errors = PromCounter("spikehound_alert_state_errors",
                                         "Failed commits of routing state and queued notifications (retried).",
                                         registry=r)
+        self.profile_errors = PromCounter("spikehound_alert_profile_errors",
+                                          "Alerts sent without their profile line because reading the spike's "
+                                          "profiles failed or took too long.", registry=r)
         r.register(_RouterCounts(router_counts))

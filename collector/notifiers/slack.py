@@ -1,7 +1,8 @@
 """Slack incoming webhooks: one Block Kit message per notification.
 
 The message names the stream, its p99 against the baseline and the top
-causes with their numbers, with buttons to the spike and to its slowest
+causes with their numbers (and the function that took the CPU when the
+spike's profile names one clearly), with buttons to the spike and to its slowest
 trace (links on ``collector.public_url``). A resolve notice is a new message
 (incoming webhooks cannot edit the first). Block Kit's limits are kept
 whatever the names and summaries hold: at most 50 blocks, section text of at
@@ -57,16 +58,20 @@ def _when(unix_nano: int | None) -> str:
 
 def _cause_lines(item: AlertItem) -> str:
     causes = item.spike.causes
+    profile = item.annotations.get("profile")
     if not causes:
-        return f"*Top cause:* {NO_CAUSE}"
+        return clip(f"*Top cause:* {NO_CAUSE}" + (f"\n*Profile:* {escape(profile)}" if profile else ""),
+                    SECTION_TEXT_MAX)
     lines = ["*Top causes*"]
     for rank, c in enumerate(causes[:CAUSES_SHOWN], 1):
         lines.append(f"{rank}. [{c.kind.value}] {escape(c.summary)} _(explains {c.score:.0%} of the added latency)_")
-    # Clip line by line from the end so the top cause always survives.
-    text = "\n".join(lines)
+    # The clear culprit of the spike's profile diff (collector/spike_profile.py), when there is one: last.
+    tail = [f"*Profile:* {escape(profile)}"] if profile else []
+    # Clip cause by cause from the end so the top cause and the profile line always survive.
+    text = "\n".join(lines + tail)
     while len(text) > SECTION_TEXT_MAX and len(lines) > 2:
         lines.pop()
-        text = "\n".join(lines)
+        text = "\n".join(lines + tail)
     return clip(text, SECTION_TEXT_MAX)
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from collector.alerts.alerting import Alerting
 from collector.cross_site import Site, cross_site_middleware
-from collector.rest import alerts, analysis, core, jaeger
+from collector.rest import alerts, analysis, core, jaeger, profiles
 from collector.rest.auth import bearer_ok
 from collector.rest.common import (
     ALERTING,
@@ -42,7 +42,7 @@ log = logging.getLogger("spikehound.collector.api")
 MAX_BODY_BYTES = 1024**2  # aiohttp's own limit on a request body, refused up front by Content-Length
 OPEN_PATHS = ("/healthz", "/readyz")  # the health endpoints: probes carry no token
 # Mounted in this order; the OpenAPI document lists their paths in the same order.
-ROUTE_MODULES = (core, analysis, alerts, jaeger)
+ROUTE_MODULES = (core, profiles, analysis, alerts, jaeger)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

@@ -26,10 +26,12 @@ from prometheus_client import CollectorRegistry, Counter
 
 from collector.rest.auth import bearer_ok
 from collector.rest.common import run_blocking
+from collector.spike_profile import SpikeProfile, spike_profile
 from collector.storage_health import DATABASE_AWAY, READ_RETRY_AFTER_SECONDS, read_refusal
 from collector.web import charts, links, session
 from collector.web.streams import streams_now
 from collector.web.waterfall import Group, Row, Waterfall, layout, mark_grown
+from detectors.stack_diff import percent
 from spikehound.model import Cause, CauseKind, Span, Spike
 from spikehound.timefmt import NS, parse_time, rfc3339
 from storage.reader import Reader
@@ -44,6 +46,7 @@ BEFORE_NS, AFTER_NS = 15 * 60 * NS, 5 * 60 * NS  # the spike page's time axis ar
 COLLAPSE_OVER_ROWS = 300  # larger waterfalls open with the critical path only (a click shows every row)
 SPIKE_PAGE_ROWS = 400  # a spike page shows at most this many rows of a trace; its trace page shows all
 SPIKE_LIST_LIMIT = 500
+PROFILE_ROWS = 10  # functions in each process's table on the spike page; the API gives more
 DASH, TIMES = "\u2013", "\u00d7"  # what a missing value shows; "2.3x" as a person writes it
 
 
@@ -96,8 +99,13 @@ def _filters() -> dict[str, Callable[..., Any]]:
     def ratio(spike: Spike) -> str:
         return f"{spike.p99_ns / spike.baseline_p99_ns:.1f}{TIMES}" if spike.baseline_p99_ns > 0 else "no baseline"
 
+    def points(growth: float) -> str:
+        """A change of share in percentage points, signed."""
+        return f"{growth * 100:+.0f} pts" if abs(growth) >= 0.005 else "±0 pts"
+
     return {"ms": ms, "when": when, "clock": clock, "span_of": span_of, "ago": ago, "hue": hue, "rate": rate,
-            "tip": tip, "value": format_value, "attrtext": format_attribute, "ratio": ratio}
+            "pct": percent, "points": points, "tip": tip, "value": format_value, "attrtext": format_attribute,
+            "ratio": ratio}
 
 
 def format_value(value: float | None, unit: str | None) -> str:
@@ -339,12 +347,15 @@ class WebPages:
             for href, _ in view.evidence:
                 if href.startswith("#s-"):
                     cause_marks.setdefault(href[3:], []).append(view.rank)  # the row's anchor
+        profile = spike_profile(r, spike)
         return {"spike": spike, "causes": causes, "hosts": hosts, "slow": slow, "normal": normal,
+                "profile": profile, "profile_rows": PROFILE_ROWS,
                 "slow_id": ids[0] if ids else None, "normal_id": ids[1] if len(ids) > 1 else None,
                 "cause_marks": cause_marks, "collapse_over": COLLAPSE_OVER_ROWS, "most_rows": SPIKE_PAGE_ROWS,
                 "end": end,
                 "chart_data": {"range": [axis.since_ns / NS, axis.until_ns / NS],
-                               "window": [start / NS, end / NS], "panels": panels}}
+                               "window": [start / NS, end / NS], "panels": panels,
+                               "flames": _flames(profile)}}
 
     async def trace_lookup(self, request: web.Request) -> web.Response:
         trace_id = (request.query.get("id") or "").strip()
@@ -380,6 +391,11 @@ def _without_token(request: web.Request) -> str:
     url = request.rel_url
     rest = [(k, v) for k, v in url.query.items() if k != "token"]
     return str(url.with_query(rest or None))
+
+
+def _flames(profile: SpikeProfile) -> list[dict[str, Any]]:
+    """The merged call tree of each profiled process, drawn by the page's script (spikehound.js)."""
+    return [g.diff.tree.to_json() for g in profile.groups]
 
 
 def _duration(spans: Sequence[Span]) -> int:

@@ -1,4 +1,4 @@
-/* spikehound pages: place the waterfall bars and draw the charts (uPlot, vendored).
+/* spikehound pages: place the waterfall bars, draw the charts (uPlot, vendored) and the profile's flame graphs.
  *
  * The pages are rendered on the server; this script only positions what is there
  * (bars from data-* attributes: the Content-Security-Policy allows no inline
@@ -187,11 +187,73 @@
     }
   }
 
+  // --- the differential flame graphs of the profile section -----------------------------------
+  var FLAME_ROW = 18; // px per stack level
+  var FLAME_MIN_WIDTH = 0.0005; // of the spike's samples: narrower boxes are not drawn (they would not show)
+
+  function flameColour(growth, hasBaseline) {
+    // Red when the frame's share of the samples grew, blue when it shrank; a 20-point change is full colour.
+    if (!hasBaseline) return "hsl(35, 70%, 72%)";
+    var strength = Math.min(1, Math.abs(growth) / 0.2);
+    var lightness = 92 - 40 * strength;
+    return growth >= 0 ? "hsl(4, 75%, " + lightness + "%)" : "hsl(215, 65%, " + lightness + "%)";
+  }
+
+  function percentText(share) {
+    return share > 0 && share < 0.005 ? "<1%" : (100 * share).toFixed(0) + "%";
+  }
+
+  function drawFlame(box, root) {
+    var spikeAll = root.spike, baseAll = root.baseline;
+    if (!spikeAll) return;
+    var depth = 0;
+    var fragment = document.createDocumentFragment();
+    var stack = [{node: root, left: 0, level: 0}];
+    while (stack.length) {
+      var item = stack.pop();
+      var node = item.node, width = node.spike / spikeAll;
+      if (width < FLAME_MIN_WIDTH) continue;
+      var spikeShare = width, baseShare = baseAll ? node.baseline / baseAll : 0;
+      var el = document.createElement("div");
+      el.className = "fbox";
+      el.dataset.function = node.function;
+      el.style.left = (100 * item.left) + "%";
+      el.style.width = (100 * width) + "%";
+      el.style.top = (item.level * FLAME_ROW) + "px";
+      el.style.background = flameColour(spikeShare - baseShare, baseAll > 0);
+      el.textContent = node.function;
+      el.title = node.function + (node.file ? " (" + node.file + ")" : "") + ": " + percentText(spikeShare) +
+        " of samples during the spike (" + node.spike + ")" +
+        (baseAll ? ", " + percentText(baseShare) + " before (" + node.baseline + ")" : ", no samples before");
+      fragment.appendChild(el);
+      depth = Math.max(depth, item.level + 1);
+      var offset = item.left;
+      for (var i = 0; i < node.children.length; i++) {
+        stack.push({node: node.children[i], left: offset, level: item.level + 1});
+        offset += node.children[i].spike / spikeAll;
+      }
+    }
+    box.style.height = (depth * FLAME_ROW) + "px";
+    box.appendChild(fragment);
+  }
+
+  function drawFlames() {
+    var block = document.getElementById("chart-data");
+    if (!block) return;
+    var flames = JSON.parse(block.textContent).flames || [];
+    var boxes = document.querySelectorAll(".flame[data-flame]");
+    for (var i = 0; i < boxes.length; i++) {
+      var tree = flames[+boxes[i].dataset.flame];
+      if (tree) drawFlame(boxes[i], tree);
+    }
+  }
+
   window.spikehound = {charts: charts, data: null};
   document.addEventListener("DOMContentLoaded", function () {
     if (window.performance && performance.mark) performance.mark("spikehound-start");
     placeBars();
     drawCharts();
+    drawFlames();
     openTarget();
     window.addEventListener("hashchange", openTarget);
     document.documentElement.dataset.ready = "1"; // everything placed and drawn (tests and the benchmark wait for it)

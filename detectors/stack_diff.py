@@ -1,0 +1,268 @@
+"""What the CPU did differently during a spike: sampled call stacks of the spike's windows against those before it.
+
+Every function is identified by its name and file (the line is ignored: one function, whatever line a sample
+stopped on). For each period it gets two shares of the period's samples:
+
+* **self**: samples whose *leaf* frame is the function, time spent in its own code;
+* **total**: samples with the function *anywhere* on the stack, counted once per stack however often it
+  recurses, time spent in it or in what it called.
+
+A caller whose callee got hot grows in total share only; the callee grows in both. Functions are ranked by the
+growth of their self share (spike share minus baseline share), then of their total share, so the code that
+burns the extra CPU comes first and its callers after it. The raw sample counts are kept beside the shares.
+
+A **clear culprit** is named only when the data can carry it (the thresholds below say why each is what it
+is): enough samples in both periods, a top self-share growth that is large, beyond sampling noise, and well
+ahead of the runner-up's. Otherwise :attr:`StackDiff.culprit` is None and :attr:`StackDiff.why_unclear` says
+what was missing.
+
+>>> from spikehound.model import ProfileStack
+>>> def stack(leaf, samples):
+...     return ProfileStack(host="gpu-1", service="preprocess", pid=42, process="python3", start_unix_nano=0,
+...                         end_unix_nano=10**10, samples=samples,
+...                         frames=(("handle", "stack.py", 210), (leaf, "stack.py", 180)))
+>>> diff = diff_stacks([stack("burn_cpu", 82), stack("parse", 118)], [stack("burn_cpu", 12), stack("parse", 188)])
+>>> top = diff.changes[0]
+>>> top.function, round(top.self_spike, 2), round(top.self_baseline, 2), top.self_samples_spike
+('burn_cpu', 0.41, 0.06, 82)
+>>> sentence(top, "preprocess")
+'burn_cpu in preprocess: 41% of samples during the spike against 6% before'
+>>> diff.culprit is top
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from spikehound.model import Frame, ProfileStack
+
+FunctionKey = tuple[str, str]  # (function, file): a function whatever line the sample stopped on
+
+# --- when a culprit is clear ------------------------------------------------------------------
+# 50 samples are 2.6 s of one busy thread at 19 Hz: with fewer, one function's share swings by tens of points
+# from one sampled second to the next, and no ranking of them means anything.
+MIN_SPIKE_SAMPLES = 50
+MIN_BASELINE_SAMPLES = 50
+# A function whose self share grew by less than 10 points took less than a tenth of the CPU more: too little to
+# explain a p99 that grew by multiples, and within the drift of a process's mix from one minute to the next.
+MIN_SELF_GROWTH = 0.10
+# The growth, over the standard error of the difference of two proportions: samples of one thread within a
+# window are not independent (a hot loop is sampled many times in a row), so 3 rather than the usual 2.
+MIN_Z = 3.0
+# Twice the runner-up's growth: two functions that grew alike (allocation and the GC it triggers, two halves of
+# one slow path) are one change, and naming one of them as *the* culprit would mislead.
+MIN_LEAD = 2.0
+# The flame tree drops nodes under 0.5% of the samples of both periods, and stops at this depth and size, so a
+# page gets a tree it can draw (the dropped samples show as the gap under their parent).
+TREE_MIN_SHARE = 0.005
+TREE_MAX_DEPTH = 64
+TREE_MAX_NODES = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionChange:
+    """One function's shares of the samples in each period (0..1), and the counts they come from."""
+
+    function: str
+    file: str
+    self_spike: float
+    self_baseline: float
+    total_spike: float
+    total_baseline: float
+    samples_spike: int  # samples with the function on the stack (its total), during the spike
+    samples_baseline: int  # the same before it
+    self_samples_spike: int = 0  # samples with the function as the leaf (its self), during the spike
+    self_samples_baseline: int = 0
+
+    @property
+    def self_growth(self) -> float:
+        return self.self_spike - self.self_baseline
+
+    @property
+    def total_growth(self) -> float:
+        return self.total_spike - self.total_baseline
+
+
+@dataclass(slots=True)
+class FlameNode:
+    """One frame of the merged call tree: samples through it in each period, its callees by spike samples."""
+
+    function: str
+    file: str
+    spike: int = 0
+    baseline: int = 0
+    children: dict[FunctionKey, FlameNode] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        """The tree as the API and the page read it; children sorted by spike samples, then baseline.
+
+        >>> FlameNode("all", "", 3, 1, {("f", "a.py"): FlameNode("f", "a.py", 3, 1)}).to_json()["children"][0]
+        {'function': 'f', 'file': 'a.py', 'spike': 3, 'baseline': 1, 'children': []}
+        """
+        kids = sorted(self.children.values(), key=lambda n: (-n.spike, -n.baseline, n.function, n.file))
+        return {"function": self.function, "file": self.file, "spike": self.spike, "baseline": self.baseline,
+                "children": [k.to_json() for k in kids]}
+
+
+@dataclass(frozen=True, slots=True)
+class StackDiff:
+    """The ranked changes (largest self-share growth first), the clear culprit if any, the counts and the tree."""
+
+    changes: tuple[FunctionChange, ...]
+    samples_spike: int
+    samples_baseline: int
+    culprit: FunctionChange | None
+    why_unclear: str | None  # None when a culprit is named
+    tree: FlameNode
+
+
+def _identity(frame: Frame) -> FunctionKey:
+    return frame[0], frame[1]
+
+
+def _fold(stacks: Iterable[ProfileStack]) -> Counter[tuple[Frame, ...]]:
+    """Samples per distinct stack: windows and processes repeat the same stacks many times."""
+    folded: Counter[tuple[Frame, ...]] = Counter()
+    for s in stacks:
+        if s.samples > 0 and s.frames:
+            folded[s.frames] += s.samples
+    return folded
+
+
+def _counts(folded: Counter[tuple[Frame, ...]]) -> tuple[Counter[FunctionKey], Counter[FunctionKey], int]:
+    self_counts: Counter[FunctionKey] = Counter()
+    total_counts: Counter[FunctionKey] = Counter()
+    for frames, n in folded.items():
+        self_counts[_identity(frames[-1])] += n
+        for key in {_identity(f) for f in frames}:  # once per stack: a recursive function is not counted twice
+            total_counts[key] += n
+    return self_counts, total_counts, sum(folded.values())
+
+
+def _share(count: int, whole: int) -> float:
+    return count / whole if whole else 0.0
+
+
+def z_score(spike_count: int, spike_total: int, base_count: int, base_total: int) -> float:
+    """How many standard errors apart two shares are (the pooled two-proportion test); 0 without data.
+
+    >>> round(z_score(82, 200, 12, 200), 1), z_score(1, 1, 0, 0)
+    (8.3, 0.0)
+    """
+    if not spike_total or not base_total:
+        return 0.0
+    pooled = (spike_count + base_count) / (spike_total + base_total)
+    spread = math.sqrt(pooled * (1 - pooled) * (1 / spike_total + 1 / base_total))
+    if spread == 0:
+        return 0.0
+    return (spike_count / spike_total - base_count / base_total) / spread
+
+
+def _tree(spike: Counter[tuple[Frame, ...]], baseline: Counter[tuple[Frame, ...]], n_spike: int,
+          n_base: int) -> FlameNode:
+    root = FlameNode("all", "", n_spike, n_base)
+    for folded, side in ((spike, "spike"), (baseline, "baseline")):
+        for frames, n in folded.items():
+            node = root
+            for frame in frames[:TREE_MAX_DEPTH]:
+                key = _identity(frame)
+                child = node.children.get(key)
+                if child is None:
+                    child = node.children[key] = FlameNode(*key)
+                setattr(child, side, getattr(child, side) + n)
+                node = child
+    _prune(root, n_spike, n_base)
+    return root
+
+
+def _prune(root: FlameNode, n_spike: int, n_base: int) -> None:
+    """Drop nodes too small to see in either period, then the smallest beyond the size cap (breadth first)."""
+    kept, frontier = 1, [root]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            big = [k for k, c in node.children.items()
+                   if _share(c.spike, n_spike) >= TREE_MIN_SHARE or _share(c.baseline, n_base) >= TREE_MIN_SHARE]
+            big.sort(key=lambda k: -max(_share(node.children[k].spike, n_spike),
+                                        _share(node.children[k].baseline, n_base)))
+            big = big[:max(0, TREE_MAX_NODES - kept)]
+            node.children = {k: node.children[k] for k in big}
+            kept += len(big)
+            nxt.extend(node.children.values())
+        frontier = nxt
+
+
+def diff_stacks(spike: Iterable[ProfileStack], baseline: Iterable[ProfileStack]) -> StackDiff:
+    """The stacks of the spike's windows against those of the windows before it (one kind of sample each)."""
+    spike_folded, base_folded = _fold(spike), _fold(baseline)
+    s_self, s_total, n_spike = _counts(spike_folded)
+    b_self, b_total, n_base = _counts(base_folded)
+    changes = [FunctionChange(function=key[0], file=key[1],
+                              self_spike=_share(s_self[key], n_spike), self_baseline=_share(b_self[key], n_base),
+                              total_spike=_share(s_total[key], n_spike), total_baseline=_share(b_total[key], n_base),
+                              samples_spike=s_total[key], samples_baseline=b_total[key],
+                              self_samples_spike=s_self[key], self_samples_baseline=b_self[key])
+               for key in s_total.keys() | b_total.keys()]
+    changes.sort(key=lambda c: (-c.self_growth, -c.total_growth, -c.samples_spike, c.function, c.file))
+    culprit, why = judge(changes, n_spike, n_base)
+    return StackDiff(tuple(changes), n_spike, n_base, culprit, why,
+                     _tree(spike_folded, base_folded, n_spike, n_base))
+
+
+def judge(changes: Sequence[FunctionChange], n_spike: int, n_base: int) -> tuple[FunctionChange | None, str | None]:
+    """The clear culprit among ``changes`` (ranked as :func:`diff_stacks` ranks them), or None and why not.
+
+    >>> judge([], 10, 400)
+    (None, 'only 10 samples during the spike (50 needed)')
+    """
+    if n_spike < MIN_SPIKE_SAMPLES:
+        return None, f"only {n_spike} samples during the spike ({MIN_SPIKE_SAMPLES} needed)"
+    if n_base < MIN_BASELINE_SAMPLES:
+        return None, f"only {n_base} samples before the spike ({MIN_BASELINE_SAMPLES} needed)"
+    if not changes or changes[0].self_growth < MIN_SELF_GROWTH:
+        grew = f"{changes[0].self_growth * 100:.0f} points" if changes else "nothing"
+        return None, f"no function's own share grew by {MIN_SELF_GROWTH * 100:.0f} points (the most: {grew})"
+    top = changes[0]
+    z = z_score(top.self_samples_spike, n_spike, top.self_samples_baseline, n_base)
+    if z < MIN_Z:
+        return None, f"{top.function}'s growth is within sampling noise (z {z:.1f} < {MIN_Z:g})"
+    runner_up = changes[1].self_growth if len(changes) > 1 else 0.0
+    if runner_up > 0 and top.self_growth < MIN_LEAD * runner_up:
+        return None, (f"{top.function} and {changes[1].function} grew alike "
+                      f"({top.self_growth * 100:.0f} and {runner_up * 100:.0f} points)")
+    return top, None
+
+
+def percent(share: float) -> str:
+    """A share as the sentences state it; under 1% as "<1%" rather than a misleading 0%.
+
+    >>> percent(0.41), percent(0.003), percent(0.0)
+    ('41%', '<1%', '0%')
+    """
+    if 0 < share < 0.005:
+        return "<1%"
+    return f"{share * 100:.0f}%"
+
+
+def sentence(change: FunctionChange, where: str, *, total: bool = False) -> str:
+    """One change in words: the self share (``total``: the share with its callees) in each period."""
+    if total:
+        return (f"{change.function} in {where} (with what it calls): {percent(change.total_spike)} of samples "
+                f"during the spike against {percent(change.total_baseline)} before")
+    return (f"{change.function} in {where}: {percent(change.self_spike)} of samples during the spike against "
+            f"{percent(change.self_baseline)} before")
+
+
+def pick_kind(stacks: Iterable[ProfileStack]) -> str:
+    """The kind of sample to compare: ``cpu`` when there is any (idle threads would dilute wall-clock shares),
+    else ``wall``.
+
+    >>> pick_kind([]), pick_kind([ProfileStack("h", "s", 1, "p", 0, 1, (("f", "a.py", 1),), 3, kind="wall")])
+    ('cpu', 'wall')
+    """
+    kinds = {s.kind for s in stacks}
+    return "wall" if kinds == {"wall"} else "cpu"
