@@ -93,9 +93,11 @@ class Agent:
         gpu_ids = [g["hw.id"] for s in self.sampling.samplers if isinstance(s, NvmlSampler) for g in s.gpus]
         identity: dict[str, Any] = {"host.name": host, "host.id": machine_id(), "nvidia.gpu.uuids": gpu_ids}
         self.services = ServiceMap()
-        self.intake = Intake(Enricher(identity, on_resource=self.services.learn_resource), self.queue,
-                             services=self.services)
         self.profiler = self._make_profiler(host)
+        # Only a profiler needs to know which process sends which service.
+        services = self.services if self.profiler is not None else None
+        self.intake = Intake(Enricher(identity, on_resource=services.learn_resource if services else None),
+                             self.queue, services=services)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
         self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log,

@@ -198,7 +198,7 @@ class Profiler:
         self.stats = ProfilerStats()
         self._children: set[asyncio.subprocess.Process] = set()
         self._skip_until: dict[int, float] = {}  # pid -> when to try it again (permission, not Python)
-        self._warned: set[str] = set()  # "permission", and "error:<pid>"
+        self._warned: set[str] = set()  # what was said once: "permission", "window", "error:<pid>", ...
         self._children_cpu_at_start = _children_cpu()
 
     @property
@@ -208,6 +208,8 @@ class Profiler:
     @property
     def profiled_processes(self) -> int:
         """Tracked processes not set aside (ptrace refused, no Python): those the next window records."""
+        if not self.available:
+            return 0
         now = self._clock()
         return sum(1 for pid in self.processes() if self._skip_until.get(pid, 0.0) <= now)
 
@@ -224,7 +226,13 @@ class Profiler:
             await asyncio.Event().wait()
         while True:
             started = self._clock()
-            await self.window()
+            try:
+                await self.window()
+            except Exception as exc:  # the agent keeps forwarding and sampling whatever befalls the profiler
+                self.stats.failures["error"] += 1
+                level = logging.DEBUG if "window" in self._warned else logging.WARNING
+                self._warned.add("window")
+                log.log(level, "profiling: a window failed (%s: %s); trying again", type(exc).__name__, exc)
             # Nothing to profile, or every child failed at once: do not spin.
             rest = self.window_seconds - (self._clock() - started)
             if rest > 0:
@@ -317,6 +325,8 @@ class Profiler:
 
     def _failed(self, pid: int, name: str, reason: str, detail: str) -> None:
         self.stats.failures[reason] += 1
+        if len(self._warned) > 1000:  # many short-lived failing processes: bounded, "permission" stays said
+            self._warned &= {"permission", "window"}
         if reason in ("permission", "not_python"):
             self._skip_until[pid] = self._clock() + self.retry_seconds
         if reason == "permission" and "permission" not in self._warned:

@@ -244,6 +244,44 @@ def test_stopping_the_profiler_kills_its_py_spy_children(tmp_path, queue):
         assert not psutil.pid_exists(pid)
 
 
+def test_a_failing_window_is_counted_and_the_profiler_goes_on(queue, caplog):
+    calls = []
+
+    def processes() -> dict[int, str]:
+        calls.append(1)
+        raise RuntimeError("the process table is unreadable")
+
+    profiler = Profiler(processes, queue, "gpu-1", py_spy=sys.executable, window_seconds=1,
+                        clock=lambda: 0.0)  # every window is a second after the last
+
+    async def run_a_while() -> None:
+        task = asyncio.create_task(profiler.run())
+        while len(calls) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.WARNING, logger="spikehound.agent.profiler"):
+        asyncio.run(run_a_while())
+    assert profiler.stats.failures["error"] >= 3
+    assert len(caplog.records) == 1 and "the process table is unreadable" in caplog.records[0].message
+
+
+def test_profiles_survive_the_disk_spool_across_a_restart(tmp_path):
+    spool = DiskSpool(tmp_path, 1 << 20)
+    spool.append(Item(Signal.TRACES, b"spans", 1))
+    spool.append(Item(Signal.PROFILES, b"stacks", 2))
+    spool.close()
+    again = DiskSpool(tmp_path, 1 << 20)
+    read = []
+    while (head := again.peek()) is not None:
+        read.append(head)
+        again.pop()
+    again.close()
+    assert read == [Item(Signal.TRACES, b"spans", 1), Item(Signal.PROFILES, b"stacks", 2)]
+    assert again.corrupt_records == 0
+
+
 # --- a real py-spy on a real process ----------------------------------------------------------------------------
 
 BURN = textwrap.dedent("""\
@@ -417,6 +455,11 @@ class ProfilesCollector(profiles_service_pb2_grpc.ProfilesServiceServicer):
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(2))
         profiles_service_pb2_grpc.add_ProfilesServiceServicer_to_server(self, self.server)
+        # The agent forwards its own metrics (and the burner's spans) too: taken and let go.
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {
+            "Export": grpc.unary_unary_rpc_method_handler(lambda payload, context: b"")})
+            for service in ("opentelemetry.proto.collector.trace.v1.TraceService",
+                            "opentelemetry.proto.collector.metrics.v1.MetricsService")])
         self.server.add_insecure_port(f"127.0.0.1:{port}")
 
     def Export(self, request, context):  # the generated servicer's name
