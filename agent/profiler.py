@@ -42,7 +42,6 @@ import re
 import resource
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -123,6 +122,8 @@ def parse_folded(text: str) -> Counter[tuple[Frame, ...]]:
     skipped."""
     stacks: Counter[tuple[Frame, ...]] = Counter()
     for line in text.splitlines():
+        if line.startswith("py-spy> "):  # its progress lines share stdout with the stacks
+            continue
         folded, _, count = line.rstrip().rpartition(" ")
         if not folded or not count.isdigit():
             continue
@@ -168,8 +169,9 @@ class _Run:
 
     pid: int
     process: str
-    output: Path
     child: asyncio.subprocess.Process
+    stdout: asyncio.StreamReader  # the folded stacks, from a pipe of our own
+    transport: asyncio.ReadTransport
     start_ns: int
 
 
@@ -247,41 +249,47 @@ class Profiler:
         targets = {pid: name for pid, name in self.processes().items() if pid not in self._skip_until}
         if not targets or not self.py_spy:
             return []
-        folder = Path(tempfile.mkdtemp(prefix="spikehound-profiles-"))  # 0700: the stacks are the servers' code
-        try:
-            runs = [run for run in await asyncio.gather(*(self._start(pid, name, folder)
-                                                          for pid, name in targets.items())) if run is not None]
-            results = await asyncio.gather(*(self._finish(run) for run in runs))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        runs = [run for run in await asyncio.gather(*(self._start(pid, name) for pid, name in targets.items()))
+                if run is not None]
+        results = await asyncio.gather(*(self._finish(run) for run in runs))
         stacks = [stack for result in results for stack in result]
         if stacks:
             self._queue(stacks)
         return stacks
 
-    async def _start(self, pid: int, name: str, folder: Path) -> _Run | None:
+    async def _start(self, pid: int, name: str) -> _Run | None:
         assert self.py_spy is not None
-        output = folder / f"{pid}.txt"
+        # The folded stacks come through a pipe, not a file: nothing on disk, and a read-only /tmp is no matter.
+        # An os.pipe of our own: py-spy opens /dev/stdout, which cannot be opened when it is a socket (uvloop
+        # hands children socket pairs).
         args = [self.py_spy, "record", "--pid", str(pid), "--rate", str(self.rate_hz), "--nonblocking",
                 "--format", "raw", "--full-filenames", "--duration", str(self.window_seconds), "--output",
-                str(output)]
+                "/dev/stdout"]
         if self.kind == "wall":
             args.append("--idle")
         start_ns = time.time_ns()
+        read_end, write_end = os.pipe()
         try:
-            child = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
-                                                         stdout=asyncio.subprocess.DEVNULL,
+            child = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL, stdout=write_end,
                                                          stderr=asyncio.subprocess.PIPE)
         except OSError as exc:  # removed or no longer executable since start
+            os.close(read_end)
             self._failed(pid, name, "error", str(exc))
             return None
+        finally:
+            os.close(write_end)  # the child's copy is the only one: EOF when it exits
         self._children.add(child)
-        return _Run(pid, name, output, child, start_ns)
+        stdout = asyncio.StreamReader(limit=1 << 26)
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stdout), os.fdopen(read_end, "rb", buffering=0))
+        return _Run(pid, name, child, stdout, transport, start_ns)
 
     async def _finish(self, run: _Run) -> list[ProfileStack]:
         child = run.child
+        assert child.stderr is not None
         try:
-            _, err = await asyncio.wait_for(child.communicate(), self.window_seconds + GRACE_SECONDS)
+            out, err, _ = await asyncio.wait_for(asyncio.gather(run.stdout.read(), child.stderr.read(), child.wait()),
+                                                 self.window_seconds + GRACE_SECONDS)
         except TimeoutError:
             _kill(child)
             await child.wait()
@@ -291,19 +299,15 @@ class Profiler:
         except asyncio.CancelledError:
             _kill(child)  # the agent stops; it stays listed so that aclose() reaps it
             raise
+        finally:
+            run.transport.close()
         self._children.discard(child)
         end_ns = time.time_ns()
         self.stats.runs += 1
-        try:
-            text = run.output.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            text = ""
-        finally:
-            run.output.unlink(missing_ok=True)
         if child.returncode != 0:
             self._failed_run(run, err.decode("utf-8", "replace"))
             return []
-        counts, folded = bounded(parse_folded(text), self.max_stacks)
+        counts, folded = bounded(parse_folded(out.decode("utf-8", "replace")), self.max_stacks)
         self.stats.folded_stacks += folded
         service = self.services.service_of(run.pid) if self.services is not None else ""
         period = round(1e9 / self.rate_hz)

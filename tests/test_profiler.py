@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -35,6 +36,7 @@ from agent.intake import Intake
 from agent.otlp_grpc import start_grpc
 from agent.otlp_http import http_app
 from agent.profiler import MAX_STACKS, OTHER_STACKS, Profiler, bounded, find_py_spy, parse_folded
+from agent.runtime import run as run_loop  # uvloop, as the agent runs
 from agent.services import ServiceMap
 from agent.spool import DiskSpool, Item, Signal
 from harness.daemons import AgentProcess
@@ -57,6 +59,7 @@ RAW = textwrap.dedent("""\
     <module> (/srv/app/server.py:40);<lambda> (/srv/app/server.py:12);wrapper (fn) (/srv/app/deco.py:4) 2
     ??;unknown_native 1
     not a stack line
+    py-spy> Wrote raw flamegraph data to '/dev/stdout'. Samples: 88 Errors: 0
     """).replace("{THREAD}", ";".join((
     "_bootstrap (/usr/lib/python3.11/threading.py:995)", "_bootstrap_inner (/usr/lib/python3.11/threading.py:1038)",
     "run (/usr/lib/python3.11/threading.py:975)", "_worker (/usr/lib/python3.11/concurrent/futures/thread.py:83)",
@@ -133,7 +136,7 @@ def test_a_window_with_too_many_stacks_is_queued_bounded_and_counted(tmp_path, q
     fake = replaying_py_spy(tmp_path, lines)
     profiler = Profiler(lambda: {os.getpid(): "python3"}, queue, "gpu-1", py_spy=fake, window_seconds=1,
                         max_stacks=10)
-    stacks = asyncio.run(profiler.window())
+    stacks = run_loop(profiler.window())
     assert len(stacks) == 10 and profiler.stats.folded_stacks == 31
     assert sum(s.samples for s in stacks) == sum(i % 7 + 1 for i in range(40))
     back = queued_stacks(queue)
@@ -147,7 +150,7 @@ def test_a_window_larger_than_the_collector_takes_is_split_into_requests_that_fi
     fake = replaying_py_spy(tmp_path, lines)
     queue.max_request_bytes = 8192
     profiler = Profiler(lambda: {os.getpid(): "python3"}, queue, "gpu-1", py_spy=fake, window_seconds=1)
-    asyncio.run(profiler.window())
+    run_loop(profiler.window())
     items = queued(queue)
     assert len(items) > 1 and all(len(item.payload) <= 8192 for item in items)
     back = [s for item in items for s in decode_profiles(
@@ -173,7 +176,7 @@ def test_a_refused_ptrace_warns_once_with_the_fix_and_sets_the_process_aside(tmp
         profiler = Profiler(lambda: pids, queue, "gpu-1", py_spy=fake, window_seconds=1, clock=lambda: now[0])
         with caplog.at_level(logging.DEBUG, logger="spikehound.agent.profiler"):
             for _ in range(3):
-                assert asyncio.run(profiler.window()) == []
+                assert run_loop(profiler.window()) == []
                 now[0] += 60
         assert sorted(runs.read_text().split()) == sorted(str(p) for p in pids)  # each once: then set aside
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -182,7 +185,7 @@ def test_a_refused_ptrace_warns_once_with_the_fix_and_sets_the_process_aside(tmp
         assert "kernel.yama.ptrace_scope" in warnings[0].message
         assert profiler.stats.failures["permission"] == 2 and profiler.profiled_processes == 0
         now[0] += 600  # ten minutes on: tried again
-        asyncio.run(profiler.window())
+        run_loop(profiler.window())
         assert len(runs.read_text().split()) == 4
     finally:
         for p in others:
@@ -199,7 +202,7 @@ def test_a_process_that_exits_is_dropped_quietly(tmp_path, queue, caplog):
         """)
     profiler = Profiler(lambda: {gone.pid: "python3"}, queue, "gpu-1", py_spy=fake, window_seconds=1)
     with caplog.at_level(logging.INFO, logger="spikehound.agent.profiler"):
-        assert asyncio.run(profiler.window()) == []
+        assert run_loop(profiler.window()) == []
     assert profiler.stats.failures == {"gone": 1}
     assert not caplog.records and not len(queue)
 
@@ -213,7 +216,7 @@ def test_without_py_spy_one_warning_and_no_profiles(queue, caplog):
         task.cancel()
 
     with caplog.at_level(logging.WARNING, logger="spikehound.agent.profiler"):
-        asyncio.run(run_a_while())
+        run_loop(run_a_while())
     assert not profiler.available
     assert [r.message for r in caplog.records if "py-spy not found" in r.message] and len(caplog.records) == 1
     assert not len(queue)
@@ -238,7 +241,7 @@ def test_stopping_the_profiler_kills_its_py_spy_children(tmp_path, queue):
         await profiler.aclose()
         return children
 
-    children = asyncio.run(run_then_stop())
+    children = run_loop(run_then_stop())
     assert len(children) == 2
     for pid in children:  # killed and reaped: no orphan, no zombie
         assert not psutil.pid_exists(pid)
@@ -262,7 +265,7 @@ def test_a_failing_window_is_counted_and_the_profiler_goes_on(queue, caplog):
         await asyncio.gather(task, return_exceptions=True)
 
     with caplog.at_level(logging.WARNING, logger="spikehound.agent.profiler"):
-        asyncio.run(run_a_while())
+        run_loop(run_a_while())
     assert profiler.stats.failures["error"] >= 3
     assert len(caplog.records) == 1 and "the process table is unreadable" in caplog.records[0].message
 
@@ -348,7 +351,7 @@ def test_a_real_process_burning_cpu_has_its_hot_function_at_the_leaf(burner, que
     profiler = Profiler(lambda: {burner.pid: "python3"}, queue, "gpu-1", py_spy=py_spy, rate_hz=50,
                         window_seconds=2)
     before = time.time_ns()
-    stacks = asyncio.run(profiler.window())
+    stacks = run_loop(profiler.window())
     after = time.time_ns()
     assert stacks, "py-spy recorded nothing"
     hottest = max(stacks, key=lambda s: s.samples)
@@ -426,7 +429,7 @@ def test_the_agent_learns_which_service_a_process_serves_from_its_grpc_and_http_
             await runner.cleanup()
         return found, pending
 
-    found, pending = asyncio.run(scenario())
+    found, pending = run_loop(scenario())
     assert pending == 2  # one connection each, noted on its first request
     assert sorted(found.values()) == ["grpc-sender", "http-sender"]
     assert services.scans == 1
@@ -515,5 +518,47 @@ def test_the_agent_forwards_profiles_and_spools_them_while_the_collector_is_away
         if agent.running:
             agent.kill()
         burner.send_signal(signal.SIGKILL)
+        burner.wait()
+        collector.server.stop(None)
+
+
+@pytest.mark.parametrize("ptrace", [False, True], ids=["without-CAP_SYS_PTRACE", "with-CAP_SYS_PTRACE"])
+def test_an_agent_without_cap_sys_ptrace_warns_once_and_runs_on_and_one_with_it_profiles(tmp_path, ptrace):
+    """The agent unit drops every capability; its commented lines give back CAP_SYS_PTRACE alone (setpriv here)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("dropping capabilities as the unit does needs root and setpriv (util-linux)")
+    port = free_port()
+    collector = ProfilesCollector(port)
+    collector.server.start()
+    agent = AgentProcess(f"127.0.0.1:{port}", tmp_path, interval=0.5, env={
+        "SPIKEHOUND_AGENT_PID_FILES": str(tmp_path / "burner.pid"), "SPIKEHOUND_AGENT_PROFILE_WINDOW_SECONDS": "1"})
+    caps = "-all,+sys_ptrace" if ptrace else "-all"
+    agent.prefix = ["setpriv", "--no-new-privs", f"--inh-caps={caps}", f"--bounding-set={caps}",
+                    *(["--ambient-caps=+sys_ptrace"] if ptrace else []), "--"]
+    burner = start_burner(tmp_path)
+    try:
+        require_ptrace(burner.pid)
+        (tmp_path / "burner.pid").write_text(f"{burner.pid}\n")
+        agent.start()
+        if ptrace:
+            stacks = eventually(lambda: collector.stacks() or None, "profiles at the collector", timeout=60)
+            assert max(stacks, key=lambda s: s.samples).frames[-1][0] == "burn_cpu"
+            assert agent.metric("spikehound_agent_profile_failures_total", reason="permission") == 0
+        else:
+            eventually(lambda: agent.metric("spikehound_agent_profile_failures_total", reason="permission") >= 1,
+                       "py-spy refused", timeout=60)
+            runs = agent.metric("spikehound_agent_sampler_runs_total", sampler="cpu")
+            eventually(lambda: agent.metric("spikehound_agent_sampler_runs_total", sampler="cpu") >= runs + 4,
+                       "the agent sampling on", timeout=30)
+            warnings = [line for line in agent.log_text().splitlines() if "WARNING spikehound.agent.profiler" in line]
+            assert len(warnings) == 1 and "AmbientCapabilities=CAP_SYS_PTRACE" in warnings[0], agent.log_tail()
+            assert agent.metric("spikehound_agent_profile_failures_total", reason="permission") == 1  # set aside
+            assert agent.metric("spikehound_agent_profiler_processes") == 0
+            assert not collector.stacks()
+        agent.terminate()
+    finally:
+        if agent.running:
+            agent.kill()
+        burner.kill()
         burner.wait()
         collector.server.stop(None)
