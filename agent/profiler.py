@@ -85,6 +85,21 @@ def find_py_spy() -> str | None:
 # --- py-spy's raw (folded) output ----------------------------------------------------------------------------
 
 
+def py_spy_error(stderr: str) -> str:
+    """What py-spy said went wrong, on one line: its error and causes, without the backtrace.
+
+    >>> py_spy_error("Error: Failed to get process executable name.\\n\\nCaused by:\\n    0: Permission denied (os "
+    ...              "error 13)\\n    1: Permission denied (os error 13)\\n\\nStack backtrace:\\n   0: anyhow::msg\\n")
+    'Failed to get process executable name.; Permission denied (os error 13)'
+    """
+    said: list[str] = []
+    for line in stderr.split("Stack backtrace:", 1)[0].splitlines():
+        text = re.sub(r"^(?:Error:|\d+:)\s*", "", line.strip())
+        if text and text != "Caused by:" and text not in said:
+            said.append(text)
+    return "; ".join(said)[:300] or "no reason given"
+
+
 def parse_frame(text: str) -> Frame:
     """``name (file:line)`` -> (name, file, line); a frame without a location is (name, "", 0).
 
@@ -316,8 +331,7 @@ class Profiler:
                              samples=n, kind=self.kind, period_ns=period) for frames, n in counts]
 
     def _failed_run(self, run: _Run, stderr: str) -> None:
-        detail = " ".join(line for line in stderr.splitlines() if line.startswith("Error") or "os error" in line)
-        detail = (detail or stderr.strip())[:300]
+        detail = py_spy_error(stderr)
         if not psutil.pid_exists(run.pid):
             self._failed(run.pid, run.process, "gone", detail)
         elif _NOT_PYTHON.search(stderr):
