@@ -1,4 +1,4 @@
-"""The per-host agent: samplers, local OTLP receivers, the forward queue and the forwarder.
+"""The per-host agent: samplers, the profiler, local OTLP receivers, the forward queue and the forwarder.
 
 It talks to the collector over OTLP only, and imports nothing of it.
 """
