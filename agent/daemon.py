@@ -1,4 +1,4 @@
-"""The per-host agent: samplers, local OTLP receivers, the forward queue and the forwarder.
+"""The per-host agent: samplers, the profiler, local OTLP receivers, the forward queue and the forwarder.
 
 It talks to the collector over OTLP only, and imports nothing of it.
 """
@@ -25,10 +25,12 @@ from agent.intake import Intake
 from agent.metrics_out import MetricsBridge
 from agent.otlp_grpc import start_grpc
 from agent.otlp_http import http_app
+from agent.profiler import Profiler
 from agent.samplers.cpu import CpuSampler
 from agent.samplers.network import NetworkSampler
 from agent.samplers.nvml import NvmlSampler
 from agent.sampling import Sampler, SamplingLoop
+from agent.services import ServiceMap
 from agent.spool import DiskSpool, Item, Signal, SpoolWriteError
 from agent.telemetry import AgentMetrics, registry_for
 from spikehound import __version__
@@ -90,13 +92,19 @@ class Agent:
         host = a.host_name or socket.gethostname()
         gpu_ids = [g["hw.id"] for s in self.sampling.samplers if isinstance(s, NvmlSampler) for g in s.gpus]
         identity: dict[str, Any] = {"host.name": host, "host.id": machine_id(), "nvidia.gpu.uuids": gpu_ids}
-        self.intake = Intake(Enricher(identity), self.queue)
+        self.services = ServiceMap()
+        self.profiler = self._make_profiler(host)
+        # Only a profiler needs to know which process sends which service.
+        services = self.services if self.profiler is not None else None
+        self.intake = Intake(Enricher(identity, on_resource=services.learn_resource if services else None),
+                             self.queue, services=services)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
         self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log,
                                    credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
                                                                    a.collector_key_file))
-        registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge))
+        registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge,
+                                             self.profiler))
         self._metrics = HttpServer(_metrics_app(registry, lambda: self._running), a.metrics_listen, "agent /metrics")
         self._http = HttpServer(http_app(self.intake, a.max_request_bytes), a.otlp_http, "OTLP/HTTP")
         self._grpc = GrpcServer("OTLP/gRPC", functools.partial(start_grpc, self.intake, a.otlp_grpc,
@@ -117,8 +125,25 @@ class Agent:
         log.info("host %s, %d GPU(s), forwarding to %s, sampling every %.1f s", host, len(gpu_ids), a.collector,
                  a.interval)
 
+    def _make_profiler(self, host: str) -> Profiler | None:
+        """The profiler of the processes the CPU sampler tracks; None when profiling is off or none is tracked."""
+        a = self.cfg.agent
+        cpu = next((s for s in self.sampling.samplers if isinstance(s, CpuSampler)), None)
+        if not a.profiling or cpu is None or not (cpu.process_patterns or cpu.pid_files):
+            return None
+
+        def processes() -> dict[int, str]:
+            return {pid: str(attributes.get("process.executable.name", ""))
+                    for pid, attributes in cpu.processes.items()}
+
+        return Profiler(processes, self.queue, host, services=self.services, rate_hz=a.profile_rate_hz,
+                        window_seconds=a.profile_window_seconds, idle=a.profile_idle)
+
     async def _start_tasks(self) -> None:
-        for coro, name in ((self.forwarder.run(), "forwarder"), (self._sample_forever(), "sampling")):
+        tasks = [(self.forwarder.run(), "forwarder"), (self._sample_forever(), "sampling")]
+        if self.profiler is not None:
+            tasks.append((self.profiler.run(), "profiler"))
+        for coro, name in tasks:
             task = asyncio.create_task(coro, name=name)
             task.add_done_callback(self._watch)
             self._tasks.append(task)
@@ -130,6 +155,8 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.profiler is not None:  # its py-spy children die with it
+            await self.profiler.aclose()
 
     async def _drain_forwarder(self) -> None:
         await self._drain(self.cfg.agent.drain_seconds)

@@ -1,5 +1,8 @@
 """Forwards the queue to the collector over OTLP/gRPC, oldest first within each signal.
 
+The signals are spans, metrics and the profiler's profiles (``ProfilesService/Export``); a collector too old
+to take profiles answers UNIMPLEMENTED, and they are dropped and counted (one warning).
+
 While the collector is healthy the forwarder flushes at most once per
 ``FLUSH_SECONDS``: each signal's queued requests merge into one request (never
 past the collector's limit), and the signals' requests go out side by side on
@@ -48,7 +51,8 @@ from spikehound.otlp import trailer_retry_delay
 log = logging.getLogger("spikehound.agent.forwarder")
 
 _METHODS = {Signal.TRACES: "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
-            Signal.METRICS: "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"}
+            Signal.METRICS: "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export",
+            Signal.PROFILES: "/opentelemetry.proto.collector.profiles.v1development.ProfilesService/Export"}
 _PERMANENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED}
 FLUSH_SECONDS = 1.0  # while healthy, forward at most this often (and within 2 s); inside the collector's 5 s lateness
 LINGER_BYTES = 1 << 20  # ... unless this much is already queued
@@ -127,17 +131,18 @@ def failure_reason(error: grpc.aio.AioRpcError) -> str:
     return "other"
 
 
-def _signals() -> dict[Signal, int]:
-    return {Signal.TRACES: 0, Signal.METRICS: 0}
+def _signals() -> Counter[Signal]:
+    # A Counter reads 0 for a signal not yet counted (profiles, where the agent does not profile).
+    return Counter({Signal.TRACES: 0, Signal.METRICS: 0})
 
 
 @dataclass
 class ForwardStats:
-    forwarded: dict[Signal, int] = field(default_factory=_signals)
-    dropped: dict[Signal, int] = field(default_factory=_signals)  # refused by the collector as invalid
-    too_large: dict[Signal, int] = field(default_factory=_signals)  # alone larger than the collector's limit
-    split_requests: dict[Signal, int] = field(default_factory=_signals)  # queued requests sent in pieces
-    requests: dict[Signal, int] = field(default_factory=_signals)  # acked
+    forwarded: Counter[Signal] = field(default_factory=_signals)
+    dropped: Counter[Signal] = field(default_factory=_signals)  # refused by the collector as invalid
+    too_large: Counter[Signal] = field(default_factory=_signals)  # alone larger than the collector's limit
+    split_requests: Counter[Signal] = field(default_factory=_signals)  # queued requests sent in pieces
+    requests: Counter[Signal] = field(default_factory=_signals)  # acked
     retries: int = 0
     failures: Counter[str] = field(default_factory=Counter)  # failed attempts by reason (REASONS, "too_large")
     connected: bool = False
@@ -174,6 +179,7 @@ class Forwarder:
         self._stalled_since: float | None = None  # first failure since forwarding last went through
         self._warned_at: float | None = None
         self._resume: tuple[Item, int, int] | None = None  # (item, limit, pieces acknowledged) of a split send
+        self._profiles_unimplemented = False  # warned that the collector takes no profiles
 
     async def run(self) -> None:
         """Forward forever (cancel to stop)."""
@@ -258,6 +264,13 @@ class Forwarder:
 
     def _count_invalid(self, signal: Signal, count: int, exc: grpc.aio.AioRpcError) -> None:
         self.stats.dropped[signal] += count
+        if signal is Signal.PROFILES and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            # A collector from before profiles: every window would log an error; say it once.
+            if not self._profiles_unimplemented:
+                self._profiles_unimplemented = True
+                log.warning("the collector does not take profiles (UNIMPLEMENTED: an older version?); the agent's "
+                            "profiles are dropped (counted in spikehound_agent_dropped{signal=\"profiles\"})")
+            return
         log.error("collector refused a %s request as invalid (%s: %s); dropped %d items", signal.name.lower(),
                   exc.code().name, (exc.details() or "")[:200], count)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError, Message
@@ -37,13 +37,14 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from agent.enrich import Enricher
 from agent.forward_queue import ForwardQueue
+from agent.services import ServiceMap
 from agent.spool import Item, Signal, SpoolWriteError
 from spikehound.otlp import PayloadError, parse_metrics_request, parse_trace_request
 from spikehound.protowire import LEN, WireError, encode_varint, fields
 
 log = logging.getLogger("spikehound.agent.intake")
 
-ITEMS = {Signal.TRACES: "spans", Signal.METRICS: "data points"}
+ITEMS = {Signal.TRACES: "spans", Signal.METRICS: "data points", Signal.PROFILES: "profile stacks"}
 DROP_LOG_SECONDS = 600.0  # one ERROR line per sender at most this often
 _MAX_SENDERS_LOGGED = 1000
 
@@ -67,6 +68,9 @@ _SHAPES: dict[Signal, Shape] = {
     Signal.TRACES: {1: {2: {2: _LEAF}}},  # resource_spans -> scope_spans -> spans
     # resource_metrics -> scope_metrics -> metrics -> gauge, sum, histogram, exponential_histogram, summary
     Signal.METRICS: {1: {2: {2: {5: _POINTS, 7: _POINTS, 9: _POINTS, 10: _POINTS, 11: _POINTS}}}},
+    # resource_profiles -> scope_profiles -> profiles -> samples; the request's dictionary (field 2) is not in
+    # the shape, so every piece repeats it whole and the pieces' indices stay valid.
+    Signal.PROFILES: {1: {2: {2: {2: _LEAF}}}},
 }
 
 
@@ -229,10 +233,13 @@ class Accepted:
 
 
 class Intake:
-    def __init__(self, enricher: Enricher, queue: ForwardQueue, drop_log: DropLog | None = None) -> None:
+    def __init__(self, enricher: Enricher, queue: ForwardQueue, drop_log: DropLog | None = None,
+                 services: ServiceMap | None = None) -> None:
+        """``services`` learns which local process sends which service (for the profiler)."""
         self.enricher = enricher
         self.queue = queue
         self.drop_log = drop_log or DropLog()
+        self.services = services
         self.received: Counter[tuple[Signal, str]] = Counter()  # (signal, protocol) -> items
         self.refused: Counter[Signal] = Counter()  # items pushed back because the queue was full
         self.unavailable: Counter[Signal] = Counter()  # items refused because the spool could not be written
@@ -240,8 +247,9 @@ class Intake:
         self.split_requests: Counter[Signal] = Counter()  # requests cut to fit the collector's limit
         self.too_large: Counter[Signal] = Counter()  # items dropped: alone larger than the collector's limit
 
-    def accept(self, signal: Signal, payload: bytes, protocol: str, json: bool = False) -> Accepted:
-        """Queue one export request (protobuf, or OTLP/JSON when ``json``).
+    def accept(self, signal: Signal, payload: bytes, protocol: str, json: bool = False,
+               peer: Hashable | None = None) -> Accepted:
+        """Queue one export request (protobuf, or OTLP/JSON when ``json``) that came by connection ``peer``.
 
         Raises PayloadError (unreadable, or nothing in it small enough to forward), QueueFull (push back) or
         QueueUnavailable (retry later).
@@ -256,6 +264,9 @@ class Intake:
             self.invalid_requests[protocol] += 1
             raise
         self.received[signal, protocol] += count
+        services = self.services
+        if peer is not None and services is not None and not services.knows_peer(peer):
+            services.note_peer(peer, request_sender(enriched))  # a connection's first request only
         if not count:
             return Accepted(signal, 0)
         limit = self.queue.max_request_bytes

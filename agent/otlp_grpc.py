@@ -35,7 +35,7 @@ RECEIVE_WINDOW_BYTES = 4 << 20
 def _export(intake: Intake, signal: Signal) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
     async def export(payload: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            accepted = intake.accept(signal, payload, "grpc")
+            accepted = intake.accept(signal, payload, "grpc", peer=context.peer())
         except PayloadError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:

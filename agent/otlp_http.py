@@ -36,7 +36,10 @@ def http_app(intake: Intake, max_request_bytes: int) -> web.Application:
             intake.invalid_requests["http"] += 1
             return refused.response
         try:
-            accepted = intake.accept(signal, body, "http", json=framing.as_json)
+            transport = request.transport
+            peer = transport.get_extra_info("peername") if transport is not None else None
+            accepted = intake.accept(signal, body, "http", json=framing.as_json,
+                                     peer=peer if isinstance(peer, tuple) else None)
         except PayloadError as exc:
             return status_response(400, str(exc), framing.as_json)
         except QueueFull as exc:

@@ -20,7 +20,9 @@ marker) are still read, in order, before newer ones; they cannot be
 resynchronised, so damage in one of them loses the rest of that segment
 (counted). New records always go to ``*.seg2`` segments. An agent of an
 older version ignores ``*.seg2`` files, so a downgrade leaves them on disk
-unread rather than misreading them.
+unread rather than misreading them. Profiles (signal 3) came after the
+record format: an agent from before them skips such records as damaged
+(counted) and forwards the rest.
 
 >>> import tempfile
 >>> spool = DiskSpool(Path(tempfile.mkdtemp()), max_bytes=1 << 20)
@@ -61,8 +63,13 @@ _RESYNC_CHUNK = 1 << 20
 
 
 class Signal(enum.IntEnum):
+    # The values are on disk: append new ones, never renumber.
     TRACES = 1
     METRICS = 2
+    PROFILES = 3
+
+
+_SIGNALS = frozenset(Signal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,7 @@ class Item:
 
     signal: Signal
     payload: bytes
-    count: int  # spans or data points, for the counters
+    count: int  # spans, data points or profile stacks, for the counters
 
     @property
     def size(self) -> int:
@@ -95,7 +102,7 @@ def _parse_header(raw: bytes) -> tuple[int, int, int, int] | None:
     if zlib.crc32(raw[:_HEAD.size]) != _HEAD_CRC.unpack_from(raw, _HEAD.size)[0]:
         return None
     _, length, signal, count, crc = _HEAD.unpack_from(raw)
-    return (length, signal, count, crc) if signal in (Signal.TRACES, Signal.METRICS) else None
+    return (length, signal, count, crc) if signal in _SIGNALS else None
 
 
 class DiskSpool:
@@ -383,7 +390,7 @@ class DiskSpool:
                 self._skip(size, f"a record of {length} bytes that runs past the end of the segment")
                 return None
             payload = f.read(length)
-            if zlib.crc32(payload) != crc or signal not in (Signal.TRACES, Signal.METRICS):
+            if zlib.crc32(payload) != crc or signal not in _SIGNALS:
                 self._skip(end, "a record that fails its checksum")
                 continue
             return Item(Signal(signal), payload, count), end

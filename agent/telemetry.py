@@ -16,16 +16,18 @@ from agent.forward_queue import ForwardQueue
 from agent.forwarder import REASONS, Forwarder
 from agent.intake import Intake
 from agent.metrics_out import MetricsBridge
+from agent.profiler import FAILURES, Profiler
 from agent.sampling import SamplingLoop
 from agent.spool import Signal
 
-_SIGNALS = {Signal.TRACES: "spans", Signal.METRICS: "metrics"}
+_SIGNALS = {Signal.TRACES: "spans", Signal.METRICS: "metrics", Signal.PROFILES: "profiles"}
 
 
 class AgentMetrics(Collector):
     def __init__(self, intake: Intake, queue: ForwardQueue, forwarder: Forwarder, sampling: SamplingLoop,
-                 bridge: MetricsBridge) -> None:
+                 bridge: MetricsBridge, profiler: Profiler | None = None) -> None:
         self.intake, self.queue, self.forwarder, self.sampling, self.bridge = intake, queue, forwarder, sampling, bridge
+        self.profiler = profiler
 
     def collect(self) -> Iterator[Metric]:
         received = CounterMetricFamily("spikehound_agent_received", "Spans or metric points received from local "
@@ -114,6 +116,34 @@ class AgentMetrics(Collector):
             timeouts.add_metric([name], health.timeouts)
             seconds.add_metric([name], health.total_seconds)
         yield from (runs, errors, timeouts, seconds)
+        yield from self._profiler()
+
+    def _profiler(self) -> Iterator[Metric]:
+        p = self.profiler
+        stats = p.stats if p is not None else None
+        yield GaugeMetricFamily("spikehound_agent_profiler_processes", "Model-server processes being profiled "
+                                "(tracked, and not set aside after a ptrace refusal); 0 when profiling is off.",
+                                value=p.profiled_processes if p is not None else 0)
+        yield CounterMetricFamily("spikehound_agent_profile_windows", "Profile windows queued for the collector "
+                                  "(one request each, split when larger than the collector takes).",
+                                  value=stats.windows if stats else 0)
+        yield CounterMetricFamily("spikehound_agent_profile_stacks", "Distinct stacks (per process and window) "
+                                  "queued.", value=stats.stacks if stats else 0)
+        yield CounterMetricFamily("spikehound_agent_profile_samples", "Stack samples queued.",
+                                  value=stats.samples if stats else 0)
+        yield CounterMetricFamily("spikehound_agent_profile_folded_stacks", "Rare stacks summed into one "
+                                  "\"(other stacks)\" stack because a process-window had more than 2,000.",
+                                  value=stats.folded_stacks if stats else 0)
+        failures = CounterMetricFamily("spikehound_agent_profile_failures", "py-spy runs or windows that gave no "
+                                       "profile, by reason: gone (the process exited), permission (ptrace not "
+                                       "permitted: see the agent's log), not_python, timeout, error; queue_full "
+                                       "(windows lost: queue and spool full), too_large (stacks dropped).",
+                                       labels=["reason"])
+        for reason in FAILURES:
+            failures.add_metric([reason], stats.failures[reason] if stats else 0)
+        yield failures
+        yield CounterMetricFamily("spikehound_agent_profiler_cpu_seconds", "CPU time (user and system) of the "
+                                  "agent's py-spy children.", value=p.children_cpu_seconds if p is not None else 0)
 
 
 def registry_for(metrics: AgentMetrics) -> CollectorRegistry:

@@ -201,6 +201,14 @@ class AgentConfig:
     max_request_bytes: int = 32 * 1024 * 1024
     # On SIGTERM, keep forwarding this long before spooling what is left.
     drain_seconds: float = 10.0
+    # Sampling profiles of the model-server processes with py-spy, where py-spy is installed and may ptrace them.
+    profiling: bool = True
+    # Samples per second per process (py-spy --rate); prime, so it does not beat with work on a round period.
+    profile_rate_hz: int = 19
+    # Seconds one profile covers, whole (py-spy records whole seconds).
+    profile_window_seconds: float = 10.0
+    # Sample idle threads too: wall-clock profiles (kind "wall") instead of on-CPU ones ("cpu").
+    profile_idle: bool = False
 
 
 @dataclass(slots=True)
@@ -541,6 +549,7 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
     if not c.api.is_loopback and not c.api_token:
         raise ConfigError(f"{named('collector.api')}: listening on {c.api} beyond loopback needs collector.api_token "
                           "(set SPIKEHOUND_COLLECTOR_API_TOKEN)")
+    _check_profiling(cfg.agent, named)
     for pattern in cfg.agent.process_patterns:
         try:
             re.compile(pattern)
@@ -560,6 +569,17 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                           f"got {redact_url(url)!r}")
     _check_alerts(cfg.alerts, named)
     _check_tls(cfg, named)
+
+
+def _check_profiling(a: AgentConfig, named: Callable[[str], str]) -> None:
+    # py-spy takes a whole number of seconds and at most a few hundred samples a second per process.
+    if not 1 <= a.profile_rate_hz <= 1000:
+        raise ConfigError(f"{named('agent.profile_rate_hz')}: must be between 1 and 1000 samples a second, "
+                          f"got {a.profile_rate_hz}")
+    window = a.profile_window_seconds
+    if not 1 <= window <= 3600 or window != int(window):
+        raise ConfigError(f"{named('agent.profile_window_seconds')}: must be a whole number of seconds from 1 to "
+                          f"3600 (py-spy records whole seconds), got {window}")
 
 
 def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:

@@ -139,6 +139,14 @@ def test_a_bad_file_setting_is_one_line_naming_key_file_and_reason(tmp_path, tex
     ("SPIKEHOUND_COLLECTOR_API", "0.0.0.0:8470",
      "collector.api (from SPIKEHOUND_COLLECTOR_API): listening on 0.0.0.0:8470 beyond loopback needs "
      "collector.api_token (set SPIKEHOUND_COLLECTOR_API_TOKEN)"),
+    ("SPIKEHOUND_AGENT_PROFILE_RATE_HZ", "0",
+     "agent.profile_rate_hz (from SPIKEHOUND_AGENT_PROFILE_RATE_HZ): must be between 1 and 1000 samples a second, "
+     "got 0"),
+    ("SPIKEHOUND_AGENT_PROFILE_WINDOW_SECONDS", "2.5",
+     "agent.profile_window_seconds (from SPIKEHOUND_AGENT_PROFILE_WINDOW_SECONDS): must be a whole number of "
+     "seconds from 1 to 3600 (py-spy records whole seconds), got 2.5"),
+    ("SPIKEHOUND_AGENT_PROFILING", "maybe",
+     "agent.profiling (from SPIKEHOUND_AGENT_PROFILING): expected true or false, got 'maybe'"),
 ])
 def test_a_bad_environment_variable_is_one_line_naming_key_variable_and_reason(name, value, message):
     with pytest.raises(ConfigError) as caught:
