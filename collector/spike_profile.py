@@ -42,7 +42,7 @@ BASELINE_MIN_NS = 5 * 60 * NS  # a shorter baseline holds too few samples of a 1
 BASELINE_MAX_NS = 30 * 60 * NS  # further back, deploys and load changes make the baseline another process
 # The detector opens a spike a window or two after its requests got slow; one profile window (10 s) and a bit
 # keeps the slow-but-not-yet-detected stretch out of the baseline.
-GAP_NS = 30 * NS
+GAP_NS = 10 * NS
 MAX_GROUPS = 6  # (service, host) groups compared per spike: the causes name a few, the page shows each
 DEFAULT_CHANGES = 20
 PROFILES_DOC = "docs/profiles.md"

@@ -124,12 +124,38 @@ def _identity(frame: Frame) -> FunctionKey:
     return frame[0], frame[1]
 
 
+_COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+
+
+def inline_comprehensions(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """``frames`` with each comprehension's frame merged into the function that runs it.
+
+    Up to Python 3.11 a comprehension runs in a frame of its own (``burn_cpu.<locals>.<listcomp>``); it is
+    the function's own code all the same, and 3.12 inlines it (PEP 709). Merged, a function's self share is
+    the same whichever Python the server runs.
+
+    >>> inline_comprehensions((("main", "a.py", 1), ("burn", "a.py", 5), ("burn.<locals>.<listcomp>", "a.py", 6),
+    ...                        ("<listcomp>", "a.py", 6)))
+    (('main', 'a.py', 1), ('burn', 'a.py', 6))
+    """
+    out: list[Frame] = []
+    for frame in frames:
+        name, file, line = frame
+        # A qualified name (3.11's co_qualname) says whose it is; a bare one (3.10) is taken for its caller's.
+        if (out and name.endswith(_COMPREHENSIONS) and out[-1][1] == file
+                and (".<locals>." not in name or name.startswith(out[-1][0] + "."))):
+            out[-1] = (out[-1][0], file, line)  # the line the comprehension was at, in its function
+            continue
+        out.append(frame)
+    return tuple(out)
+
+
 def _fold(stacks: Iterable[ProfileStack]) -> Counter[tuple[Frame, ...]]:
-    """Samples per distinct stack: windows and processes repeat the same stacks many times."""
+    """Samples per distinct stack (comprehensions inlined): windows and processes repeat the same stacks."""
     folded: Counter[tuple[Frame, ...]] = Counter()
     for s in stacks:
         if s.samples > 0 and s.frames:
-            folded[s.frames] += s.samples
+            folded[inline_comprehensions(s.frames)] += s.samples
     return folded
 
 

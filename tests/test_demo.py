@@ -1,8 +1,10 @@
 """`spikehound demo` end to end, shortened for CI, and every `curl` example of the README against its collector.
 
-One demo run (two faults: a network delay through the proxy and the SIMULATED
-GPU's throttling) is shared by the module: it must find and explain both,
-keep its collector up (``--keep``), answer every ``curl`` line of README.md
+One demo run (three faults: CPU-bound preprocessing, a network delay through
+the proxy and the SIMULATED GPU's throttling) is shared by the module: it must
+find and explain each, name the function that burns the CPU first in the CPU
+fault's profile diff (report, API, CLI, spike page), keep its collector up
+(``--keep``), answer every ``curl`` line of README.md
 (parsed from the README, so the examples cannot drift from what works), and
 exit 0 when stopped.
 """
@@ -18,19 +20,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from harness.chromium import CHROMIUM, CHROMIUM_ARGS
 from harness.daemons import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README_API = "localhost:8470"
 KEPT = "collector keeps running at"
-# Enough warm-up for 6 learned windows of 5 s, two faults, and short recoveries: about 100 s on 2 cores.
-DEMO_ARGS = ["--faults", "network,gpu", "--warmup", "40", "--fault-seconds", "15", "--recover-seconds", "5"]
+# Enough warm-up for 6 learned windows of 5 s, three faults, and short recoveries: about 2 minutes on 2 cores.
+DEMO_ARGS = ["--faults", "cpu,network,gpu", "--warmup", "40", "--fault-seconds", "15", "--recover-seconds", "5"]
 
 
 def readme_curl_examples() -> list[tuple[str, str]]:
@@ -129,10 +133,11 @@ def test_the_short_demo_finds_and_explains_each_injected_fault(demo: DemoRun):
     out = demo.output
     assert KEPT in out, out[-3000:]
     assert "SHORT demo windows" in out and "SIMULATED" in out
-    assert "OK: 2 of 2 faults found and explained by their top cause" in out, out[-3000:]
+    assert "OK: 3 of 3 faults found and explained by their top cause" in out, out[-3000:]
     table = out.split("FAULT ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
-    assert len(table) == 2
-    network, gpu = table
+    assert len(table) == 3
+    cpu, network, gpu = table
+    assert cpu.startswith("CPU-bound preprocessing") and "resize of preprocess" in cpu
     assert network.startswith("network delay on one hop") and "[network] hop gateway -> model-server" in network
     assert gpu.startswith("GPU stall (SIMULATED GPU)")
     assert "nvidia.gpu.throttle" in gpu or "hw.gpu.utilization" in gpu or "forward of model-server" in gpu
@@ -171,6 +176,55 @@ def test_readme_curl_example_works_against_the_demo(demo: DemoRun, script: str):
     # Against the demo every example shows something: no empty list where the demo produced data.
     lists = [v for v in answer.values() if isinstance(v, list)]
     assert lists and all(lists), f"{script}\n{run.stdout[:1000]}"
+
+
+def cpu_spike_id(demo: DemoRun) -> str:
+    """The id of the CPU fault's spike, from the demo's report (its evidence line)."""
+    report = demo.output.split("CPU-bound preprocessing: expected", 1)[1].split("\n\n", 1)[0]
+    found = re.search(r"/api/v1/spikes/([0-9a-f]+)\)", report)
+    assert found, report
+    return found[1]
+
+
+@pytest.mark.slow
+def test_the_cpu_faults_profile_names_the_burning_function_first_in_the_report_api_and_cli(demo: DemoRun):
+    if KEPT not in demo.output:
+        pytest.fail("the demo did not keep its collector up:\n" + demo.output[-2000:])
+    report = demo.output.split("CPU-bound preprocessing: expected", 1)[1].split("\n\n", 1)[0]
+    assert "  profile:   burn_cpu in preprocess: " in report, report
+    spike = cpu_spike_id(demo)
+    api = f"http://127.0.0.1:{demo.api_port}"
+    with urllib.request.urlopen(f"{api}/api/v1/spikes/{spike}/profile", timeout=30) as answer:
+        profile = json.load(answer)
+    first = profile["profiles"][0]
+    assert (first["service"], first["kind"]) == ("preprocess", "cpu"), profile
+    top = first["changes"][0]
+    assert top["function"] == "burn_cpu" and top["file"].endswith("spikehound/demo/stack.py"), top
+    assert top["self_spike"] > top["self_baseline"]
+    cli = subprocess.run([sys.executable, "-m", "spikehound.cli", "spike", spike, "--api-url", api],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    section = cli.stdout.split("  Profile: preprocess on ", 1)[1]
+    assert section.splitlines()[1].startswith("    1. burn_cpu in preprocess: "), cli.stdout
+
+
+@pytest.mark.slow
+def test_the_cpu_faults_spike_page_shows_the_burning_function_first(demo: DemoRun):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: make test installs Debian's chromium (tests/apt-install.sh)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{demo.api_port}/ui/spikes/{cpu_spike_id(demo)}")
+            page.wait_for_selector("html[data-ready='1']")
+            section = page.locator("section.profile")
+            assert section.locator("h3").first.inner_text().startswith("preprocess on ")
+            assert section.locator("table.profile tbody tr").first.locator("td").first.inner_text() == "burn_cpu"
+            assert section.locator(".flame .fbox[data-function='burn_cpu']").first.is_visible()
+        finally:
+            browser.close()
 
 
 @pytest.mark.slow

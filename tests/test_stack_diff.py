@@ -125,3 +125,20 @@ def test_the_flame_tree_drops_what_no_one_could_see():
 def test_kind_is_cpu_unless_only_wall_clock_samples_exist():
     assert stack_diff.pick_kind([stack("a", samples=1, kind="wall"), stack("a", samples=1)]) == "cpu"
     assert stack_diff.pick_kind([stack("a", samples=1, kind="wall")]) == "wall"
+
+
+def test_a_comprehension_is_its_functions_own_code_on_every_python():
+    # Python 3.11 samples a list comprehension in frames of its own (3.10 names them bare, 3.12 inlines them):
+    # the function that runs it is what grew, in self share, and no frame named <listcomp> shows.
+    py311 = ("handle", "burn_cpu", "burn_cpu.<locals>.<listcomp>", "burn_cpu.<locals>.<listcomp>.<listcomp>")
+    py310 = ("handle", "burn_cpu", "<listcomp>", "<listcomp>")
+    before = [stack("handle", "burn_cpu", samples=20), stack(*py311, samples=20), stack("handle", "parse", samples=60)]
+    during = [stack("handle", "burn_cpu", samples=60), stack(*py310, samples=120), stack("handle", "parse", samples=60)]
+    diff = diff_stacks(during, before)
+    top = diff.changes[0]
+    assert top.function == "burn_cpu"
+    assert (top.self_samples_spike, top.self_samples_baseline) == (180, 40)
+    assert not any("<listcomp>" in c.function for c in diff.changes)
+    # A generator defined elsewhere and consumed here stays a frame of its own: it is not this function's code.
+    other = stack("handle", "consume", "produce.<locals>.<genexpr>", samples=5)
+    assert "produce.<locals>.<genexpr>" in by_name(diff_stacks([other], []))

@@ -60,6 +60,12 @@ def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+PROFILED_PATTERN = r"spikehound\.demo\.stack"  # the services' command lines; not the delay proxy's
+PROFILE_WINDOW_S = 5  # the demo's detection window
+# A short demo's baseline is a minute of mostly idle services: 19 Hz would catch too few on-CPU samples in it.
+PROFILE_RATE_HZ = 49
+
+
 @dataclass
 class Child:
     """One child process, ready when ``ready_url`` answers 200."""
@@ -182,7 +188,11 @@ class Stack:
                                      "--otlp-http", f"127.0.0.1:{ports['agent_http']}", "--interval", "1"],
                            {"SPIKEHOUND_DATA_DIR": str(workdir), "SPIKEHOUND_AGENT_SPOOL_DIR": str(workdir / "spool"),
                             "SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{ports['agent_metrics']}",
-                            "SPIKEHOUND_AGENT_DRAIN_SECONDS": "3"},
+                            "SPIKEHOUND_AGENT_DRAIN_SECONDS": "3",
+                            # The three services are profiled (docs/profiles.md), in the demo's short windows.
+                            "SPIKEHOUND_AGENT_PROCESS_PATTERNS": PROFILED_PATTERN,
+                            "SPIKEHOUND_AGENT_PROFILE_WINDOW_SECONDS": str(PROFILE_WINDOW_S),
+                            "SPIKEHOUND_AGENT_PROFILE_RATE_HZ": str(PROFILE_RATE_HZ)},
                            f"http://127.0.0.1:{ports['agent_metrics']}/healthz", workdir)
         url = {name: f"http://127.0.0.1:{ports[name]}" for name in ("preprocess", "model", "gateway", "proxy_control")}
         self.services = [
@@ -217,7 +227,11 @@ class Stack:
         feature_store.create(self.features)  # while the collector starts
         self.collector.wait_ready()
         self.agent.start().wait_ready()
+        assert self.agent.proc is not None
         for child in self.services:
+            # Where Yama lets a process be read only by its ancestors (Ubuntu's default), the services name the
+            # agent, their sibling, as the one that may (see stack.allow_tracer).
+            child.env = {**child.env, "SPIKEHOUND_DEMO_TRACER_PID": str(self.agent.proc.pid)}
             child.start()
         for child in self.services:
             child.wait_ready()

@@ -29,7 +29,15 @@ from spikehound.demo import feature_store
 from spikehound.demo.alerts import WebhookReceiver, describe
 from spikehound.demo.faults import FAULTS, Fault, component_of
 from spikehound.demo.load import OpenLoopLoad
-from spikehound.demo.processes import DEMO_SETTINGS, Stack, StartError, free_port, http_json
+from spikehound.demo.processes import (
+    DEMO_SETTINGS,
+    PROFILE_RATE_HZ,
+    PROFILE_WINDOW_S,
+    Stack,
+    StartError,
+    free_port,
+    http_json,
+)
 from spikehound.model import Cause, CauseKind
 from spikehound.model_json import cause_from_json
 
@@ -250,6 +258,8 @@ def _print_plan(con: Console, stack: Stack, receiver: WebhookReceiver, rate: flo
         ("load", f"{rate:g} requests/s, open loop: constant arrival rate, latency counted from when each was due"),
         ("detection", "SHORT demo windows: 5 s windows, 6 warm-up windows, 2 s lateness, 1 calm window resolves, "
                       "min_score 12 (production defaults: 10 s, 12, 5 s, 2, 6)"),
+        ("profiles", f"the agent samples the three services' stacks with py-spy, diffed at each spike "
+                     f"({PROFILE_RATE_HZ} Hz, {PROFILE_WINDOW_S} s windows; production defaults: 19 Hz, 10 s)"),
         ("alerts", f"every spike is routed to the webhook receiver {receiver.url} (Alertmanager payload)"),
         ("plan", f"warm-up {warmup:g} s, then each fault for {fault_seconds:g} s with {recover_seconds:g} s to "
                  f"recover: {', '.join(f.key for f in chosen)}"),
@@ -344,6 +354,9 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding], keep: bool 
             if f.top.kind == CauseKind.RESOURCE and explained is not None:
                 con.say(f"  ... at:    {explained.summary}", stamped=False)
         if f.spike is not None:
+            profile = profile_line(stack.api, f.spike["id"])
+            if profile:
+                con.say(f"  profile:   {profile}", stamped=False)
             con.say(f"  evidence:  {stack.api}/ui/spikes/{f.spike['id']}   (JSON: /api/v1/spikes/{f.spike['id']})",
                     stamped=False)
     good = sum(f.ok for f in findings)
@@ -359,3 +372,18 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding], keep: bool 
         con.say("the collector stops with the demo: `spikehound demo --keep` keeps its API, web pages and "
                 "databases up to look around", stamped=False)
     return 0 if verdict == "OK" else 1
+
+
+def profile_line(api: str, spike_id: str) -> str | None:
+    """What the spike's profile diff puts first (docs/profile-diff.md): the culprit when one is clear, else the
+    function whose share grew most, and why it is not called a culprit; None without profiles."""
+    try:
+        answer = http_json(f"{api}/api/v1/spikes/{spike_id}/profile?limit=1")
+    except (OSError, ValueError):
+        return None
+    if answer.get("culprit"):
+        return f"{answer['culprit']['sentence']} (the culprit)"
+    for group in answer.get("profiles", ()):
+        if group["changes"]:
+            return f"{group['changes'][0]['sentence']} (no clear culprit: {group['why_unclear']})"
+    return None

@@ -240,6 +240,22 @@ def model_server(args: argparse.Namespace) -> Service:
     return svc
 
 
+def allow_tracer(pid: str | None) -> None:
+    """Let process ``pid`` (the demo's agent) read this one's memory, for its sampling profiler.
+
+    Under Yama's ``kernel.yama.ptrace_scope = 1`` a process may read only its descendants unless the target
+    names it with ``PR_SET_PTRACER``; the agent is these services' sibling. Elsewhere (no Yama, root, an agent
+    with CAP_SYS_PTRACE) the call is not needed, and its refusal is ignored.
+    """
+    if not pid or not pid.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_ptracer = 0x59616D61
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, int(pid), 0, 0, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spikehound.demo.stack", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="service", required=True)
@@ -259,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in sub.choices.values():
         p.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
+    allow_tracer(os.environ.get("SPIKEHOUND_DEMO_TRACER_PID"))
     args.build(args).serve(args.port)
     return 0
 
