@@ -40,8 +40,8 @@ log = logging.getLogger("spikehound.collector.spike_profile")
 
 BASELINE_MIN_NS = 5 * 60 * NS  # a shorter baseline holds too few samples of a 19 Hz profiler to compare
 BASELINE_MAX_NS = 30 * 60 * NS  # further back, deploys and load changes make the baseline another process
-# The detector opens a spike a window or two after its requests got slow; one profile window (10 s) and a bit
-# keeps the slow-but-not-yet-detected stretch out of the baseline.
+# A spike starts at the onset its slow requests show (docs/detection.md), which may trail the code's change by a
+# request's length; one profile window keeps that stretch out of the baseline without giving up a minute of it.
 GAP_NS = 10 * NS
 MAX_GROUPS = 6  # (service, host) groups compared per spike: the causes name a few, the page shows each
 DEFAULT_CHANGES = 20
