@@ -137,7 +137,7 @@ class Agent:
                     for pid, attributes in cpu.processes.items()}
 
         return Profiler(processes, self.queue, host, services=self.services, rate_hz=a.profile_rate_hz,
-                        window_seconds=a.profile_window_seconds, idle=a.profile_idle)
+                        window_seconds=a.profile_window_seconds, threads=a.profile_threads)
 
     async def _start_tasks(self) -> None:
         tasks = [(self.forwarder.run(), "forwarder"), (self._sample_forever(), "sampling")]

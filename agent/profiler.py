@@ -10,7 +10,10 @@ model server never stops for the profiler. py-spy's folded output (``f (a.py:1);
 stacks of all processes go to the forward queue as one ``ExportProfilesServiceRequest`` (split when larger
 than the collector takes), so they are spooled and replayed like spans and metrics.
 
-``kind`` is ``cpu`` (py-spy skips idle threads) unless ``agent.profile_idle`` asks for ``--idle``: ``wall``.
+Which threads a sample reads is ``agent.profile_threads``: ``gil`` (the default, py-spy's ``--gil``) the one
+running Python code, whose cost does not grow with the process's threads; ``cpu`` every thread on a CPU,
+native code that released the GIL too (a sqlite3 query, a torch kernel); ``wall`` every thread, idle ones too
+(``--idle``). ``kind`` is ``cpu`` for the first two (samples of running code) and ``wall`` for the last.
 ``service`` is what :class:`~agent.services.ServiceMap` learnt from the process's spans, "" until then.
 
 Failures keep the agent running, and are counted by reason:
@@ -64,6 +67,7 @@ MAX_STACKS = 2000  # distinct stacks kept per process and window
 OTHER_STACKS: Frame = ("(other stacks)", "", 0)
 RETRY_SECONDS = 600.0  # a process py-spy may not or cannot attach to is tried again this rarely
 GRACE_SECONDS = 15.0  # py-spy may take this much longer than its window (attaching, writing) before it is killed
+THREAD_FLAGS = {"gil": ["--gil"], "cpu": [], "wall": ["--idle"]}  # agent.profile_threads -> py-spy's flags
 FAILURES = ("gone", "permission", "not_python", "timeout", "error", "queue_full", "too_large")
 PTRACE_HELP = ("give the agent CAP_SYS_PTRACE (AmbientCapabilities=CAP_SYS_PTRACE in spikehound-agent.service, "
                "see the comment there) or allow ptrace of processes that are not the agent's children "
@@ -198,7 +202,7 @@ class Profiler:
 
     def __init__(self, processes: Callable[[], Mapping[int, str]], queue: ForwardQueue, host: str, *,
                  services: ServiceMap | None = None, rate_hz: int = DEFAULT_RATE_HZ,
-                 window_seconds: float = DEFAULT_WINDOW_SECONDS, idle: bool = False, py_spy: str | None = None,
+                 window_seconds: float = DEFAULT_WINDOW_SECONDS, threads: str = "gil", py_spy: str | None = None,
                  max_stacks: int = MAX_STACKS, retry_seconds: float = RETRY_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.processes = processes
@@ -207,7 +211,8 @@ class Profiler:
         self.services = services
         self.rate_hz = rate_hz
         self.window_seconds = max(1, round(window_seconds))  # py-spy records whole seconds
-        self.kind = "wall" if idle else "cpu"
+        self.threads = threads
+        self.kind = "wall" if threads == "wall" else "cpu"
         self.py_spy = py_spy if py_spy is not None else find_py_spy()
         self.max_stacks = max_stacks
         self.retry_seconds = retry_seconds
@@ -280,8 +285,9 @@ class Profiler:
         args = [self.py_spy, "record", "--pid", str(pid), "--rate", str(self.rate_hz), "--nonblocking",
                 "--format", "raw", "--full-filenames", "--duration", str(self.window_seconds), "--output",
                 "/dev/stdout"]
-        if self.kind == "wall":
-            args.append("--idle")
+        # py-spy reads every thread's stack each sample unless told to read the GIL holder's only: with a
+        # server's dozens of threads (a thread pool, torch's intra-op threads) that is 10 ms of CPU a sample.
+        args.extend(THREAD_FLAGS[self.threads])
         start_ns = time.time_ns()
         read_end, write_end = os.pipe()
         try:

@@ -1,10 +1,12 @@
 """Sampling-profiler overhead: what py-spy costs a profiled Python process, and what it costs itself.
 
 Run with ``python -m benchmarks.profiling_overhead`` (``make bench`` does). A CPU-bound child
-(``harness/cpu_burner.py``: ``burn_cpu`` under 30 frames, about a model server's depth) reports its
-progress; each round measures it for ``--seconds`` with no profiler (the reference), then with
-``py-spy record --nonblocking --format raw`` attached at 19 Hz and at 100 Hz, the order rotating
-from round to round so that drift of the machine falls on every configuration alike.
+(``harness/cpu_burner.py``: ``burn_cpu`` under 30 frames, about a model server's depth, beside 32 threads
+waiting as a server's pool does) reports its progress; each round measures it for ``--seconds`` with no
+profiler (the reference), then with ``py-spy record --nonblocking --format raw`` attached as the agent runs
+it (19 Hz, ``--gil``: the thread running Python code), reading every thread (``agent.profile_threads =
+"cpu"``), and at 100 Hz, the order rotating from round to round so that drift of the machine falls on every
+configuration alike.
 
 (a) **Slowdown of the profiled process**: its iterations per second of its own CPU time (so other
     load on the machine counts less), each profiled window divided by the same round's unprofiled one;
@@ -17,12 +19,15 @@ from round to round so that drift of the machine falls on every configuration al
 ``profile_once(pid, seconds, rate) -> (raw_text, cpu_seconds)`` is the profiler measured; the agent's
 own profiler class can be put behind that signature in its place.
 
-Measured on the shared 2-core reference machine (load average 4-5 from other work; py-spy 0.4.3,
-30 frames): no slowdown of the profiled process could be told from noise (19 Hz: median ratio 1.016,
-rounds 0.96-1.13; 100 Hz: 1.049); py-spy itself took 1.9 % of a core at 19 Hz (1.5-2.1 % per round) and
-7.6 % at 100 Hz, about 0.9 ms of CPU per sample, mostly system time (reading the target's memory
-frame by frame: ~0.35 ms per sample at depth 0, ~1.3 ms at 60), so the 1 % target fails at this depth;
-parsing a window's raw output took under 0.1 ms.
+Measured on the shared 2-core reference machine (a virtual machine, load average 8 from other work;
+py-spy 0.4.3, 30 frames, 32 idle threads): no slowdown of the profiled process could be told from noise
+(median ratios 0.995 at 19 Hz --gil, 1.004 reading every thread, 0.974 at 100 Hz; rounds within ±6 %).
+py-spy itself took 2.0 % of a core at 19 Hz with --gil (1.6 % without its start-up; 2.0-2.2 % per round),
+7.0 % at 100 Hz, and 33 % at 19 Hz reading every thread: it reads each thread's stack from the target's
+memory every sample, frame by frame, mostly in system time (``process_vm_readv``), about 1 ms a sample
+for one 30-frame stack. So the 1 % target fails at 19 Hz on this machine (9 Hz meets it), and reading
+every thread of a threaded server is out of the question by default. Parsing a window's raw output took
+under 0.1 ms.
 """
 
 from __future__ import annotations
@@ -43,9 +48,13 @@ from typing import Any
 
 from harness.cpu_burner import CpuBurner, Throughput
 
-RATES = (19, 100)  # Hz: the agent's rate, and py-spy's default to show the trend
+# (label, Hz, py-spy's thread flags): the agent's default (agent.profile_threads = "gil"), py-spy reading every
+# thread each sample ("cpu"), and the default at py-spy's own rate to show the trend.
+PROFILERS = (("py-spy 19 Hz --gil (default)", 19, ("--gil",)), ("py-spy 19 Hz, every thread", 19, ()),
+             ("py-spy 100 Hz --gil", 100, ("--gil",)))
 FUNCTION = "burn_cpu"
 DEPTH = 30
+IDLE_THREADS = 32  # a server's pool of threads waiting for work
 
 
 def py_spy() -> str | None:
@@ -54,15 +63,16 @@ def py_spy() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("py-spy")
 
 
-def profile_once(pid: int, seconds: int, rate: int) -> tuple[str, float]:
-    """Sample ``pid`` for ``seconds`` at ``rate`` Hz with py-spy; its raw folded output and the CPU it used."""
+def profile_once(pid: int, seconds: int, rate: int, flags: tuple[str, ...] = ("--gil",)) -> tuple[str, float]:
+    """Sample ``pid`` for ``seconds`` at ``rate`` Hz with py-spy (``flags``: which threads, as the agent passes
+    them); its raw folded output and the CPU it used."""
     exe = py_spy()
     if exe is None:
         raise RuntimeError("py-spy not found (pip install py-spy)")
     with tempfile.TemporaryDirectory(prefix="spikehound-pyspy-") as work:
         out = Path(work) / "raw.txt"
         proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking",
-                                 "--format", "raw", "--duration", str(seconds), "--output", str(out)],
+                                 "--format", "raw", "--duration", str(seconds), "--output", str(out), *flags],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         assert proc.stderr is not None
         errors = proc.stderr.read()  # py-spy writes little; read before reaping so that it never blocks
@@ -108,6 +118,7 @@ class Config:
 
     label: str
     rate: int | None
+    flags: tuple[str, ...] = ()
     profiled: list[Throughput] = field(default_factory=list)  # the burner profiled in this window
     control: list[Throughput] = field(default_factory=list)  # the other one, never profiled
     pair_ratios: list[float] = field(default_factory=list)  # profiled / control, per CPU second
@@ -127,7 +138,7 @@ def window(target: CpuBurner, control: CpuBurner, config: Config, seconds: int, 
     if config.rate is None:
         time.sleep(seconds)
     else:
-        raw, cpu = profile_once(target.pid, seconds, config.rate)
+        raw, cpu = profile_once(target.pid, seconds, config.rate, config.flags)
         wall = time.monotonic() - t0
         config.profiler_cpu_percent.append(100 * cpu / wall)
         counts = parse_folded(raw)
@@ -137,7 +148,7 @@ def window(target: CpuBurner, control: CpuBurner, config: Config, seconds: int, 
         config.parse_ms.append(1000 * parse_seconds(raw))
         # A one-second run beside it splits the profiler's CPU into start-up and steady sampling.
         t_short = time.monotonic()
-        _, cpu_short = profile_once(target.pid, 1, config.rate)
+        _, cpu_short = profile_once(target.pid, 1, config.rate, config.flags)
         wall_short = time.monotonic() - t_short
         steady = (cpu - cpu_short) / max(wall - wall_short, 1e-9)
         config.steady_percent.append(100 * steady)
@@ -158,6 +169,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=4, help="length of one window, whole seconds (default 4)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of every configuration (default 4)")
     parser.add_argument("--depth", type=int, default=DEPTH, help=f"frames above the hot function ({DEPTH})")
+    parser.add_argument("--idle-threads", type=int, default=IDLE_THREADS,
+                        help=f"threads waiting in each burner, as a server's pool does ({IDLE_THREADS})")
     parser.add_argument("--long", action="store_true", help="8 rounds of 20 s windows (about 10 minutes)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
@@ -168,11 +181,12 @@ def main() -> int:
         return 0
 
     report_every = 0.1
-    configs = [Config("no profiler (reference)", None)] + [Config(f"py-spy {r} Hz, nonblocking", r) for r in RATES]
-    print(f"{args.rounds} rounds of {args.seconds} s windows; two burners ({FUNCTION} under {args.depth} frames), "
-          f"one profiled, the other the same-time control (roles swap each round); {os.cpu_count()} CPUs")
-    with (CpuBurner(FUNCTION, depth=args.depth, report_every=report_every) as a,
-          CpuBurner(FUNCTION, depth=args.depth, report_every=report_every) as b):
+    configs = [Config("no profiler (reference)", None)] + [Config(*p) for p in PROFILERS]
+    print(f"{args.rounds} rounds of {args.seconds} s windows; two burners ({FUNCTION} under {args.depth} frames, "
+          f"{args.idle_threads} idle threads), one profiled, the other the same-time control (roles swap each "
+          f"round); py-spy --nonblocking; {os.cpu_count()} CPUs")
+    burner = {"depth": args.depth, "report_every": report_every, "idle_threads": args.idle_threads}
+    with CpuBurner(FUNCTION, **burner) as a, CpuBurner(FUNCTION, **burner) as b:
         time.sleep(1.0)  # warm-up: caches, CPU frequency
         for r in range(args.rounds):
             target, control = (a, b) if r % 2 == 0 else (b, a)
@@ -183,25 +197,25 @@ def main() -> int:
                 config.ratios.append(config.pair_ratios[-1] / reference.pair_ratios[-1])
                 config.window_ratios.append(config.profiled[-1].per_cpu_second / reference.profiled[-1].per_cpu_second)
             print(f"  round {r + 1} (burner {'A' if target is a else 'B'} profiled): " + ", ".join(
-                f"{c.label.split(',')[0]} {c.profiled[-1].per_cpu_second / 1e6:.3f} vs "
+                f"{c.label} {c.profiled[-1].per_cpu_second / 1e6:.3f} vs "
                 f"{c.control[-1].per_cpu_second / 1e6:.3f} M it/CPU-s" for c in configs))
 
     print()
-    header = (f"{'configuration':<27} {'profiled M it/CPU-s':>19} {'control':>7} {'vs ref':>7} {'unpaired':>8} "
+    header = (f"{'configuration':<28} {'profiled M it/CPU-s':>19} {'control':>7} {'vs ref':>7} {'unpaired':>8} "
               f"{'py-spy % core':>13} {'steady %':>8} {'start ms':>8} {'samples':>7} {'in hot fn':>9} "
               f"{'parse ms':>8}")
     print(header)
     print("-" * len(header))
     results: dict[str, Any] = {"seconds": args.seconds, "rounds": args.rounds, "depth": args.depth,
-                               "cpus": os.cpu_count()}
+                               "idle_threads": args.idle_threads, "cpus": os.cpu_count()}
     spread: list[str] = []  # min-max over the rounds, to read the medians against
     for config in configs:
-        row = (f"{config.label:<27} {median([t.per_cpu_second for t in config.profiled]) / 1e6:>19.3f} "
+        row = (f"{config.label:<28} {median([t.per_cpu_second for t in config.profiled]) / 1e6:>19.3f} "
                f"{median([t.per_cpu_second for t in config.control]) / 1e6:>7.3f} ")
         if config.rate is None:
             row += f"{'1':>7} {'1':>8} {'-':>13} {'-':>8} {'-':>8} {'-':>7} {'-':>9} {'-':>8}"
         else:
-            spread.append(f"{config.label.split(',')[0]}: vs ref {min(config.ratios):.4f}-{max(config.ratios):.4f}, "
+            spread.append(f"{config.label}: vs ref {min(config.ratios):.4f}-{max(config.ratios):.4f}, "
                           f"unpaired {min(config.window_ratios):.4f}-{max(config.window_ratios):.4f}, py-spy % core "
                           f"{min(config.profiler_cpu_percent):.3f}-{max(config.profiler_cpu_percent):.3f}")
             row += (f"{median(config.ratios):>7.4f} {median(config.window_ratios):>8.4f} "
@@ -227,7 +241,7 @@ def main() -> int:
     for line in spread:
         print(f"  range over the rounds, {line}")
 
-    at19 = configs[1]
+    at19 = configs[1]  # the agent's default
     slowdown = 100 * (1 - median(at19.ratios))
     own = median(at19.profiler_cpu_percent)
     print(f"target at 19 Hz: slowdown of the profiled process < 2 % (measured {slowdown:+.2f} %): "

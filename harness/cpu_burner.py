@@ -52,8 +52,13 @@ def renamed(function: types.FunctionType, name: str) -> types.FunctionType:
     return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
 
 
-def run(function_name: str, step: int, depth: int, report_every: float, seconds: float) -> None:
+def run(function_name: str, step: int, depth: int, report_every: float, seconds: float, idle_threads: int = 0
+        ) -> None:
     work = burn_cpu if function_name == DEFAULT_FUNCTION else renamed(burn_cpu, function_name)
+    # A server's pool of threads waiting for work: a profiler that reads every thread pays for each.
+    never = threading.Event()
+    for _ in range(idle_threads):
+        threading.Thread(target=nest, args=(depth, lambda _: never.wait(), 0), daemon=True).start()
     done = 0
     start = time.monotonic()
     next_report = start
@@ -75,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=0, help="Python frames above the hot function (0)")
     parser.add_argument("--report-every", type=float, default=0.1, help="seconds between progress lines (0.1)")
     parser.add_argument("--seconds", type=float, default=3600.0, help="stop after this long (3600)")
+    parser.add_argument("--idle-threads", type=int, default=0, help="threads waiting, as a server's pool does (0)")
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        run(args.function_name, args.step, args.depth, args.report_every, args.seconds)
+        run(args.function_name, args.step, args.depth, args.report_every, args.seconds, args.idle_threads)
     return 0
 
 
@@ -94,9 +100,10 @@ class CpuBurner:
     """Runs ``python -m harness.cpu_burner`` and keeps its progress lines (a reader thread)."""
 
     def __init__(self, function_name: str = DEFAULT_FUNCTION, *, depth: int = 0, step: int = 20_000,
-                 report_every: float = 0.1) -> None:
+                 report_every: float = 0.1, idle_threads: int = 0) -> None:
         self.command = [sys.executable, "-m", "harness.cpu_burner", "--function-name", function_name,
-                        "--depth", str(depth), "--step", str(step), "--report-every", str(report_every)]
+                        "--depth", str(depth), "--step", str(step), "--report-every", str(report_every),
+                        "--idle-threads", str(idle_threads)]
         self.function_name = function_name
         self.proc: subprocess.Popen[str] | None = None
         self._times: list[float] = []  # the child's monotonic time of each line

@@ -207,8 +207,9 @@ class AgentConfig:
     profile_rate_hz: int = 19
     # Seconds one profile covers, whole (py-spy records whole seconds).
     profile_window_seconds: float = 10.0
-    # Sample idle threads too: wall-clock profiles (kind "wall") instead of on-CPU ones ("cpu").
-    profile_idle: bool = False
+    # Which threads a sample reads: "gil", the one running Python code (its cost does not grow with the threads);
+    # "cpu", every thread on a CPU, native code that released the GIL too; "wall", every thread, idle ones too.
+    profile_threads: Literal["gil", "cpu", "wall"] = "gil"
 
 
 @dataclass(slots=True)
