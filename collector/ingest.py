@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from collector.ingest_queue import ByteBudget, IngestQueue, QueueFull
 from collector.storage_health import StorageHealth
@@ -59,7 +59,30 @@ def limits_of(c: CollectorConfig) -> Limits:
     return Limits(name=c.max_name_length, value=c.max_attribute_value_length, attributes=c.max_attributes_per_span)
 
 
-class Admission:
+class HeldUntilDone:
+    """A request's hold on something shared, given back when the context is left, or, when its data is still
+    on its way to storage then (the sender hung up), once ``until``'s future is done. Subclasses say in
+    ``_release`` what they give back; it is called once."""
+
+    _until: asyncio.Future[Any] | None = None
+
+    def until(self, done: asyncio.Future[Any]) -> None:
+        self._until = done
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._until is not None and not self._until.done():
+            self._until.add_done_callback(self._release)
+        else:
+            self._release()
+
+    def _release(self, _: Any = None) -> None:
+        raise NotImplementedError
+
+
+class Admission(HeldUntilDone):
     """The bytes one export request holds in the shared budget, from before it is decoded until its commit answer.
 
     A context manager: leaving it gives the bytes back, or, when the request's data is still queued (its
@@ -70,7 +93,6 @@ class Admission:
         self._ingest = ingest
         self._protocol = protocol
         self.held = 0
-        self._until: asyncio.Future[None] | None = None
 
     def need(self, nbytes: int) -> None:
         """Hold ``nbytes`` in all (never fewer than already held); raise Overloaded when they do not fit now."""
@@ -85,18 +107,6 @@ class Admission:
                              f"{nbytes})", ingest.retry_after)
         self.held += extra
         ingest.telemetry.bytes_in_flight.set(budget.used)
-
-    def until(self, committed: asyncio.Future[None]) -> None:
-        self._until = committed
-
-    def __enter__(self) -> Admission:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._until is not None and not self._until.done():
-            self._until.add_done_callback(self._release)
-        else:
-            self._release()
 
     def _release(self, _: Any = None) -> None:
         if self.held:

@@ -19,7 +19,7 @@ from typing import Any
 
 from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import ExportProfilesServiceRequest
 
-from collector.ingest import Accepted, Admission, Ingest, InvalidPayload, Overloaded, Unavailable
+from collector.ingest import Accepted, Admission, HeldUntilDone, Ingest, InvalidPayload, Overloaded, Unavailable
 from collector.storage_unavailable import StorageUnavailable
 from spikehound.model import ProfileStack
 from spikehound.otlp import MAX_TIME_NS, attributes
@@ -34,7 +34,7 @@ MAX_SAMPLES = 2**31 - 1  # profile_samples.samples is a 32-bit integer on Postgr
 WriteAside = Callable[..., Awaitable[Any]]
 
 
-class InFlight:
+class InFlight(HeldUntilDone):
     """One profile export's place among those in flight, from before its body is read until its write ends.
 
     A context manager like ``Admission``: leaving it frees the place, or, when the write is still running
@@ -43,20 +43,7 @@ class InFlight:
 
     def __init__(self, owner: ProfileIngest) -> None:
         self._owner = owner
-        self._until: asyncio.Future[Any] | None = None
         self._held = True
-
-    def until(self, written: asyncio.Future[Any]) -> None:
-        self._until = written
-
-    def __enter__(self) -> InFlight:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._until is not None and not self._until.done():
-            self._until.add_done_callback(self._release)
-        else:
-            self._release()
 
     def _release(self, _: Any = None) -> None:
         if self._held:

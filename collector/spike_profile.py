@@ -20,7 +20,7 @@ falls in the gap.
 >>> targets(spike)
 [('preprocess', 'gpu-1'), (None, 'gpu-1'), ('model-server', None), ('gateway', None)]
 >>> [p / NS for p in periods(spike, now_ns=120 * NS)]
-[0.0, 120.0, -330.0, -30.0]
+[0.0, 120.0, -310.0, -10.0]
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ from agent.enrich import Enricher
 from agent.forward_queue import ForwardQueue
 from agent.intake import Intake
 from agent.otlp_http import http_app
-from agent.spool import DiskSpool, Item, Signal
+from agent.spool import DiskSpool, Signal
 from harness.waiting import eventually
 from spikehound.otlp import PayloadError
+from tests.support.spool_items import queued
 
 LIMIT = 8192
 IDENTITY = {"host.name": "gpu-node-3", "host.id": "5f2c" * 8, "nvidia.gpu.uuids": [f"GPU-{n:032x}" for n in range(8)]}
@@ -39,12 +40,6 @@ def queue(tmp_path: Path) -> Iterator[ForwardQueue]:
     q.close()
 
 
-def queued(q: ForwardQueue) -> list[Item]:
-    out = []
-    while (head := q.peek()) is not None:
-        out.append(head)
-        q.pop()
-    return out
 
 
 def trace_request(*spans: tuple[str, int], resources: int = 1, service: str = "llm-server") -> bytes:

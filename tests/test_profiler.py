@@ -45,6 +45,7 @@ from harness.waiting import eventually
 from spikehound.config import HostPort
 from spikehound.model import ProfileStack
 from spikehound.otlp_profiles import decode_profiles
+from tests.support.spool_items import queued
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,12 +90,6 @@ def queue(tmp_path: Path) -> Iterator[ForwardQueue]:
     q.close()
 
 
-def queued(q: ForwardQueue) -> list[Item]:
-    out = []
-    while (head := q.peek()) is not None:
-        out.append(head)
-        q.pop()
-    return out
 
 
 def queued_stacks(q: ForwardQueue) -> list[ProfileStack]:
