@@ -23,7 +23,8 @@ def policy_for(storage: StorageConfig) -> RetentionPolicy:
     return RetentionPolicy(span_max_age_s=storage.span_retention_hours * 3600,
                            point_max_age_s=storage.metric_retention_hours * 3600,
                            span_max_bytes=storage.span_retention_max_bytes,
-                           point_max_count=storage.metric_retention_max_points)
+                           point_max_count=storage.metric_retention_max_points,
+                           profile_max_rows=storage.profile_retention_max_rows)
 
 
 class RetentionRunner:
@@ -57,6 +58,7 @@ class RetentionRunner:
         t.retention_deleted.labels("spans", "size").inc(result.spans_over_size)
         t.retention_deleted.labels("metric_points", "size").inc(result.points_over_size)
         t.retention_deleted.labels("profile_samples", "age").inc(result.profile_samples)
+        t.retention_deleted.labels("profile_samples", "size").inc(result.profile_samples_over_size)
         t.retention_deleted.labels("operations", "age").inc(result.operations)
         if self.retention.measured:
             size = self.retention.size

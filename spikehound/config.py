@@ -99,6 +99,8 @@ class StorageConfig:
     span_retention_max_bytes: int = 10 * 1024**3
     # Metric samples kept at most.
     metric_retention_max_points: int = 200_000_000
+    # Sampling-profile rows (one per process, window and stack) kept at most; they also go with the spans' age.
+    profile_retention_max_rows: int = 20_000_000
 
 
 @dataclass(slots=True)
@@ -544,7 +546,8 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                        "agent.drain_seconds": cfg.agent.drain_seconds,
                        "detection.min_abs_rise_ms": cfg.detection.min_abs_rise_ms,
                        "storage.span_retention_max_bytes": cfg.storage.span_retention_max_bytes,
-                       "storage.metric_retention_max_points": cfg.storage.metric_retention_max_points}.items():
+                       "storage.metric_retention_max_points": cfg.storage.metric_retention_max_points,
+                       "storage.profile_retention_max_rows": cfg.storage.profile_retention_max_rows}.items():
         if value < 0:
             raise ConfigError(f"{named(key)}: must not be negative, got {value}")
     if not c.api.is_loopback and not c.api_token:

@@ -25,7 +25,8 @@ from spikehound.config import AlertsConfig, Config, HostPort
 
 LOG_KEYS = frozenset({"log.level", "log.format", "log.file"})
 RETENTION_KEYS = frozenset({"storage.span_retention_hours", "storage.metric_retention_hours",
-                            "storage.span_retention_max_bytes", "storage.metric_retention_max_points"})
+                            "storage.span_retention_max_bytes", "storage.metric_retention_max_points",
+                            "storage.profile_retention_max_rows"})
 # Receivers and routes are swapped by the collector's alerting; its outbox and alert groups stay.
 ALERT_KEYS = frozenset(f"alerts.{f.name}" for f in dataclasses.fields(AlertsConfig))
 COLLECTOR_LIVE_KEYS = LOG_KEYS | RETENTION_KEYS | ALERT_KEYS

@@ -34,6 +34,7 @@ from storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQ
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
 MAX_PROFILE_ROWS = 200_000  # (process, window, stack) rows one profile read may bring back
+_IN_CHUNK = 1000  # ids per IN list: SQLite allows 32,766 parameters, and a plan stays small
 # The longest profile window a read looks back for (the agent's are 10 s): it bounds the index range a read
 # scans to the period asked for, instead of every older window of the service or host.
 MAX_PROFILE_WINDOW_NS = 600 * 1_000_000_000
@@ -312,7 +313,7 @@ class Reader:
         ``host`` when given, oldest window first (at most ``limit`` rows); windows longer than
         ``MAX_PROFILE_WINDOW_NS`` are not looked for."""
         ps, st = schema.profile_samples, schema.profile_stacks
-        query = (select(ps, st.c.frames).join(st, st.c.id == ps.c.stack_id)
+        query = (select(ps)
                  .where(ps.c.start_ns < until_ns, ps.c.start_ns > since_ns - MAX_PROFILE_WINDOW_NS,
                         ps.c.end_ns > since_ns))
         if service is not None:
@@ -322,9 +323,17 @@ class Reader:
         query = query.order_by(ps.c.start_ns, ps.c.host, ps.c.pid).limit(limit)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
+            # A process runs the same stacks window after window: each is read and parsed once, and its frames
+            # shared by every row that counts it (a five-minute read of a busy process is 60,000 rows, 2,000 stacks).
+            ids = sorted({r.stack_id for r in rows})
+            frames: dict[int, tuple[tuple[str, str, int], ...]] = {}
+            for at in range(0, len(ids), _IN_CHUNK):
+                chunk = ids[at:at + _IN_CHUNK]
+                frames.update((i, _frames(text)) for i, text in conn.execute(
+                    select(st.c.id, st.c.frames).where(st.c.id.in_(chunk))))
         return [ProfileStack(host=r.host, service=r.service, pid=r.pid, process=r.process, start_unix_nano=r.start_ns,
-                             end_unix_nano=r.end_ns, frames=_frames(r.frames), samples=r.samples, kind=r.kind,
-                             period_ns=r.period_ns) for r in rows]
+                             end_unix_nano=r.end_ns, frames=frames[r.stack_id], samples=r.samples, kind=r.kind,
+                             period_ns=r.period_ns) for r in rows if r.stack_id in frames]
 
     def find_trace_ids(self, query: TraceQuery, max_scanned_spans: int = MAX_SCANNED_SPANS) -> list[bytes]:
         """Ids of traces matching ``query``, the one with the latest matching span first, at most ``query.limit``."""

@@ -60,11 +60,12 @@ class RetentionPolicy:
     point_max_age_s: float
     span_max_bytes: int = 0
     point_max_count: int = 0
+    profile_max_rows: int = 0  # (process, window, stack) rows of sampling profiles
     operation_max_count: int = 50_000  # (service, span name) pairs listed by /api/v1/services
 
     @property
     def size_capped(self) -> bool:
-        return self.span_max_bytes > 0 or self.point_max_count > 0
+        return self.span_max_bytes > 0 or self.point_max_count > 0 or self.profile_max_rows > 0
 
 
 @dataclass(slots=True)
@@ -75,12 +76,14 @@ class RetentionResult:
     points_over_size: int = 0
     operations: int = 0  # not recorded for the span age, or beyond operation_max_count
     profile_samples: int = 0  # (process, window, stack) rows past the span age, their stacks with the last of them
+    profile_samples_over_size: int = 0
 
 
 @dataclass(slots=True)
 class StoredSize:
     span_bytes: int  # OTLP payload bytes of the stored span blocks, exemplars included
     points: int
+    profile_rows: int = 0
 
 
 class _Ledger:
@@ -131,6 +134,7 @@ class Retention:
         self.engine = engine
         self._blocks = _Ledger(schema.span_blocks, func.sum(func.length(schema.span_blocks.c.payload)))
         self._points = _Ledger(schema.metric_points, func.count())
+        self._profiles = _Ledger(schema.profile_samples, func.count())
         self._row = literal_column("rowid" if engine.dialect.name == "sqlite" else "ctid")
 
     def measure(self, now_s: float) -> StoredSize:
@@ -138,11 +142,12 @@ class Retention:
         with self.engine.connect() as conn:
             self._blocks.measure(conn, int(now_s))
             self._points.measure(conn, int(now_s))
+            self._profiles.measure(conn, int(now_s))
         return self.size
 
     @property
     def size(self) -> StoredSize:
-        return StoredSize(self._blocks.total, self._points.total)
+        return StoredSize(self._blocks.total, self._points.total, self._profiles.total)
 
     @property
     def measured(self) -> bool:
@@ -159,6 +164,9 @@ class Retention:
         point_excess = self._points.total - policy.point_max_count
         if self.measured and policy.point_max_count and point_excess > 0:
             result.points_over_size = self._delete_points(None, max_batches, point_excess)
+        profile_excess = self._profiles.total - policy.profile_max_rows
+        if self.measured and policy.profile_max_rows and profile_excess > 0:
+            result.profile_samples_over_size = self._delete_profiles(None, max_batches, profile_excess)
         # An operation still sending is recorded again every OPERATION_REFRESH_SECONDS: never take it for gone.
         age = max(policy.span_max_age_s, 2 * OPERATION_REFRESH_SECONDS)
         result.operations = self._prune_operations(int(now_s - age), policy.operation_max_count, max_batches)
@@ -214,11 +222,12 @@ class Retention:
                                points=self._delete_points(point_cutoff_s, max_batches, None),
                                profile_samples=self._delete_profiles(span_cutoff_s, max_batches))
 
-    def _delete_profiles(self, cutoff_s: int, max_batches: int) -> int:
+    def _delete_profiles(self, cutoff_s: int | None, max_batches: int, budget: int | None = None) -> int:
         """Delete profile rows that arrived before ``cutoff_s`` (profiles are evidence beside the traces, and go
-        with them), then the stacks no row uses any more; the number of rows deleted."""
+        with them), all of them or the ``budget`` oldest, then the stacks no row uses any more; the number of
+        rows deleted."""
         ps, st = schema.profile_samples, schema.profile_stacks
-        deleted = self._delete_rows(ps, ps.c.ingested_at < cutoff_s, max_batches)
+        deleted = self._delete_oldest(ps, self._profiles, cutoff_s, max_batches, budget)
         if deleted:
             unused = ~select(ps.c.stack_id).where(ps.c.stack_id == st.c.id).exists()
             self._delete_rows(st, unused, max_batches)
@@ -263,9 +272,14 @@ class Retention:
 
     def _delete_points(self, cutoff_s: int | None, max_batches: int, budget: int | None) -> int:
         """Delete the oldest points that arrived before ``cutoff_s``: all of them, or ``budget`` of them."""
-        p = schema.metric_points
+        return self._delete_oldest(schema.metric_points, self._points, cutoff_s, max_batches, budget)
+
+    def _delete_oldest(self, p: Table, ledger: _Ledger, cutoff_s: int | None, max_batches: int,
+                       budget: int | None) -> int:
+        """Delete the oldest rows of ``p`` (counted by ``ledger``) that arrived before ``cutoff_s``: all of them,
+        or ``budget`` of them."""
         arrived = p.c.ingested_at
-        boundary = self._points.boundary
+        boundary = ledger.boundary
         # Settled rows first, then fresh ones (still oldest first), so the ledger knows what each delete removed.
         phases = [(arrived < boundary, True), (arrived >= boundary, False)] if boundary is not None \
             else [(arrived.is_not(None), False)]
@@ -281,7 +295,7 @@ class Retention:
                 with self.engine.begin() as conn:
                     deleted = conn.execute(delete(p).where(self._row.in_(victims))).rowcount
                 total += deleted
-                self._points.removed(deleted, settled)
+                ledger.removed(deleted, settled)
                 if deleted < limit:
                     break
         return total

@@ -250,8 +250,9 @@ profile_samples = Table(
     Column("period_ns", BigInteger, nullable=False),
     Column("samples", Integer, nullable=False),
     Column("ingested_at", BigInteger, nullable=False),  # unix seconds; retention goes by arrival
-    # A retried export (its answer lost) is stored once.
-    UniqueConstraint("host", "pid", "kind", "start_ns", "stack_id", name="uq_profile_samples_key"),
+    # A retried export (its answer lost) is stored once; two processes whose pid was not sent (0) stay apart.
+    UniqueConstraint("host", "service", "process", "pid", "kind", "start_ns", "stack_id",
+                     name="uq_profile_samples_key"),
     Index("ix_profile_samples_service", "service", "start_ns"),
     Index("ix_profile_samples_host", "host", "start_ns"),
     Index("ix_profile_samples_ingested_at", "ingested_at"),

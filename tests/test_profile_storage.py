@@ -8,7 +8,7 @@ import time
 from spikehound.model import ProfileStack
 from storage import schema
 from storage.reader import Reader, count_rows
-from storage.retention import expire
+from storage.retention import Retention, RetentionPolicy, expire
 from storage.writer import Writer
 
 S = 1_000_000_000
@@ -64,3 +64,34 @@ def test_retention_deletes_profiles_with_the_spans_and_their_unused_stacks(engin
     assert result.profile_samples == 1
     assert [s.frames[-1][0] for s in Reader(engine).profile_stacks(T0, T0 + 60 * S)] == ["new"]
     assert count_rows(engine, "profile_stacks") == 1
+
+
+def test_two_processes_without_a_pid_in_one_window_keep_their_own_samples(engine):
+    # A producer that sends no process.pid gives pid 0: what tells two processes apart is their name and service.
+    Writer(engine).write_profiles([stack("burn_cpu", 100, pid=0, service="preprocess"),
+                                   stack("burn_cpu", 900, pid=0, service="model-server")])
+    read = Reader(engine).profile_stacks(T0, T0 + 10 * S)
+    assert sorted(s.samples for s in read) == [100, 900]
+
+
+def test_a_long_read_parses_each_stack_once_and_shares_its_frames(engine):
+    # 60 windows of the same two stacks: 120 rows, two frame tuples (a five-minute read of a busy process).
+    Writer(engine).write_profiles([stack(leaf, 1, T0 + w * 10 * S) for w in range(60) for leaf in ("a", "b")])
+    read = Reader(engine).profile_stacks(T0, T0 + 600 * S)
+    assert len(read) == 120
+    assert len({id(s.frames) for s in read}) == 2
+
+
+def test_the_row_cap_deletes_the_oldest_arrivals_first(engine):
+    writer = Writer(engine)
+    now_ns = time.time_ns()
+    for age, leaf in ((300, "oldest"), (200, "older"), (100, "newest")):  # seconds ago, as the agent sent them
+        writer.write_profiles([stack(leaf, 1, T0 + (1000 - age) * S)], now_ns=now_ns - age * S)
+    retention = Retention(engine)
+    retention.measure(now_ns / S)
+    assert retention.size.profile_rows == 3
+    policy = RetentionPolicy(span_max_age_s=86400, point_max_age_s=86400, profile_max_rows=1)
+    result = retention.enforce(policy, now_ns / S)
+    assert result.profile_samples_over_size == 2
+    assert [s.frames[-1][0] for s in Reader(engine).profile_stacks(T0, T0 + 2000 * S)] == ["newest"]
+    assert count_rows(engine, "profile_stacks") == 1 and retention.size.profile_rows == 1

@@ -38,7 +38,8 @@ def upgrade() -> None:
         sa.Column("period_ns", sa.BigInteger(), nullable=False),
         sa.Column("samples", sa.Integer(), nullable=False),
         sa.Column("ingested_at", sa.BigInteger(), nullable=False),
-        sa.UniqueConstraint("host", "pid", "kind", "start_ns", "stack_id", name="uq_profile_samples_key"),
+        sa.UniqueConstraint("host", "service", "process", "pid", "kind", "start_ns", "stack_id",
+                            name="uq_profile_samples_key"),
     )
     op.create_index("ix_profile_samples_service", "profile_samples", ["service", "start_ns"])
     op.create_index("ix_profile_samples_host", "profile_samples", ["host", "start_ns"])
