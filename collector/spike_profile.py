@@ -190,6 +190,8 @@ def change_json(change: FunctionChange, where: str) -> dict[str, Any]:
             "total_spike": round(change.total_spike, 6), "total_baseline": round(change.total_baseline, 6),
             "samples_spike": change.samples_spike, "samples_baseline": change.samples_baseline,
             "self_samples_spike": change.self_samples_spike, "self_samples_baseline": change.self_samples_baseline,
+            "self_rate_spike": round(change.self_rate_spike, 3),
+            "self_rate_baseline": round(change.self_rate_baseline, 3),
             "sentence": sentence(change, where)}
 
 

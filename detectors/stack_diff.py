@@ -56,6 +56,14 @@ MIN_Z = 3.0
 # Twice the runner-up's growth: two functions that grew alike (allocation and the GC it triggers, two halves of
 # one slow path) are one change, and naming one of them as *the* culprit would mislead.
 MIN_LEAD = 2.0
+# A function that already ran most of the time cannot grow much in share (73% -> 85%), yet may run four times
+# as often: on-CPU samples a second are CPU time. It is a culprit when its own samples a second at least
+# doubled, beyond noise (MIN_Z, as counts over time), and it carries more than half of its process's growth.
+MIN_RATE_RATIO = 2.0
+MIN_GROWTH_CARRIED = 0.5
+# ... and its share grew by 5 points at least: twice the load doubles every function's samples a second, and
+# changes no function's share.
+MIN_SELF_GROWTH_BY_RATE = 0.05
 # The flame tree drops nodes under 0.5% of the samples of both periods, and stops at this depth and size, so a
 # page gets a tree it can draw (the dropped samples show as the gap under their parent).
 TREE_MIN_SHARE = 0.005
@@ -77,6 +85,8 @@ class FunctionChange:
     samples_baseline: int  # the same before it
     self_samples_spike: int = 0  # samples with the function as the leaf (its self), during the spike
     self_samples_baseline: int = 0
+    self_rate_spike: float = 0.0  # its self samples a second of profiled time, during the spike (0: unknown)
+    self_rate_baseline: float = 0.0
 
     @property
     def self_growth(self) -> float:
@@ -222,8 +232,21 @@ def _prune(root: FlameNode, n_spike: int, n_base: int) -> None:
         frontier = nxt
 
 
+def profiled_seconds(stacks: Iterable[ProfileStack]) -> float:
+    """The seconds of sampling ``stacks`` stand for: each process's windows once, however many stacks they hold.
+
+    >>> a = ProfileStack("h", "s", 1, "p", 0, 10**10, (("f", "a.py", 1),), 3)
+    >>> profiled_seconds([a, ProfileStack("h", "s", 1, "p", 0, 10**10, (("g", "a.py", 2),), 5)])
+    10.0
+    """
+    windows = {(s.host, s.service, s.pid, s.process, s.start_unix_nano, s.end_unix_nano) for s in stacks}
+    return sum(w[5] - w[4] for w in windows) / 1e9
+
+
 def diff_stacks(spike: Iterable[ProfileStack], baseline: Iterable[ProfileStack]) -> StackDiff:
     """The stacks of the spike's windows against those of the windows before it (one kind of sample each)."""
+    spike, baseline = list(spike), list(baseline)
+    t_spike, t_base = profiled_seconds(spike), profiled_seconds(baseline)
     spike_folded, base_folded = _fold(spike), _fold(baseline)
     s_self, s_total, n_spike = _counts(spike_folded)
     b_self, b_total, n_base = _counts(base_folded)
@@ -231,16 +254,23 @@ def diff_stacks(spike: Iterable[ProfileStack], baseline: Iterable[ProfileStack])
                               self_spike=_share(s_self[key], n_spike), self_baseline=_share(b_self[key], n_base),
                               total_spike=_share(s_total[key], n_spike), total_baseline=_share(b_total[key], n_base),
                               samples_spike=s_total[key], samples_baseline=b_total[key],
-                              self_samples_spike=s_self[key], self_samples_baseline=b_self[key])
+                              self_samples_spike=s_self[key], self_samples_baseline=b_self[key],
+                              self_rate_spike=_share(s_self[key], t_spike),
+                              self_rate_baseline=_share(b_self[key], t_base))
                for key in s_total.keys() | b_total.keys()]
     changes.sort(key=lambda c: (-c.self_growth, -c.total_growth, -c.samples_spike, c.function, c.file))
-    culprit, why = judge(changes, n_spike, n_base)
+    culprit, why = judge(changes, n_spike, n_base, t_spike, t_base)
     return StackDiff(tuple(changes), n_spike, n_base, culprit, why,
                      _tree(spike_folded, base_folded, n_spike, n_base))
 
 
-def judge(changes: Sequence[FunctionChange], n_spike: int, n_base: int) -> tuple[FunctionChange | None, str | None]:
+def judge(changes: Sequence[FunctionChange], n_spike: int, n_base: int, t_spike: float = 0.0, t_base: float = 0.0
+          ) -> tuple[FunctionChange | None, str | None]:
     """The clear culprit among ``changes`` (ranked as :func:`diff_stacks` ranks them), or None and why not.
+
+    By share (the top change); failing that, by samples a second when the profiled seconds of both periods
+    (``t_spike``, ``t_base``) are known. A function whose share grew while its own samples a second fell grew
+    only because the rest shrank (a thread blocked on a slower peer): never the culprit.
 
     >>> judge([], 10, 400)
     (None, 'only 10 samples during the spike (50 needed)')
@@ -249,6 +279,34 @@ def judge(changes: Sequence[FunctionChange], n_spike: int, n_base: int) -> tuple
         return None, f"only {n_spike} samples during the spike ({MIN_SPIKE_SAMPLES} needed)"
     if n_base < MIN_BASELINE_SAMPLES:
         return None, f"only {n_base} samples before the spike ({MIN_BASELINE_SAMPLES} needed)"
+    top, why = _by_share(changes, n_spike, n_base)
+    timed = t_spike > 0 and t_base > 0
+    if top is not None and timed and top.self_rate_spike < top.self_rate_baseline:
+        top, why = None, (f"{top.function}'s share grew only as the rest shrank: {top.self_rate_spike:.1f} samples "
+                          f"a second during the spike against {top.self_rate_baseline:.1f} before")
+    if top is None and timed:
+        by_rate = _by_rate(changes, n_spike / t_spike - n_base / t_base, t_spike, t_base)
+        if by_rate is not None:
+            return by_rate, None
+    return top, why
+
+
+def _by_rate(changes: Sequence[FunctionChange], growth: float, t_spike: float, t_base: float
+             ) -> FunctionChange | None:
+    """The function whose own samples a second grew most, when that growth is clear (see MIN_RATE_RATIO)."""
+    if growth <= 0 or not changes:
+        return None
+    top = max(changes, key=lambda c: (c.self_rate_spike - c.self_rate_baseline, c.function, c.file))
+    rise = top.self_rate_spike - top.self_rate_baseline
+    spread = math.sqrt(top.self_samples_spike / t_spike**2 + top.self_samples_baseline / t_base**2)
+    if (rise > MIN_GROWTH_CARRIED * growth and top.self_rate_spike >= MIN_RATE_RATIO * top.self_rate_baseline
+            and top.self_growth >= MIN_SELF_GROWTH_BY_RATE and spread > 0 and rise / spread >= MIN_Z):
+        return top
+    return None
+
+
+def _by_share(changes: Sequence[FunctionChange], n_spike: int, n_base: int
+              ) -> tuple[FunctionChange | None, str | None]:
     if not changes or changes[0].self_growth < MIN_SELF_GROWTH:
         grew = f"{changes[0].self_growth * 100:.0f} points" if changes else "nothing"
         return None, f"no function's own share grew by {MIN_SELF_GROWTH * 100:.0f} points (the most: {grew})"

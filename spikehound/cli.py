@@ -233,7 +233,10 @@ def _print_profile(api_url: str, spike_id: str) -> None:
         for rank, change in enumerate(grown, 1):
             mark = "  <- culprit" if g["culprit"] and change["function"] == g["culprit"]["function"] \
                 and change["file"] == g["culprit"]["file"] else ""
-            print(_safe(f"    {rank}. {change['sentence']} ({change['file']}){mark}"))
+            rate = ""
+            if change.get("self_rate_baseline") and change["self_rate_spike"] >= 2 * change["self_rate_baseline"]:
+                rate = f", {change['self_rate_spike'] / change['self_rate_baseline']:.1f}x its samples a second"
+            print(_safe(f"    {rank}. {change['sentence']} ({change['file']}{rate}){mark}"))
         if not grown:
             print("    no function took a larger share of the samples")
         if g["why_unclear"]:

@@ -74,7 +74,7 @@ def test_the_profile_names_the_hot_function_of_the_top_causes_process(seeded: Co
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("  Profile: preprocess on gpu-1 (cpu samples: 7536 during the spike, 9510 before):")
     assert lines[at + 1] == ("    1. burn_cpu in preprocess: 53% of samples during the spike against 6% before "
-                             "(stack.py)  <- culprit")
+                             "(stack.py, 17.5x its samples a second)  <- culprit")
     assert lines[at + 2].startswith("  page ")  # no other function's own share grew: listed alone
 
 

@@ -142,3 +142,41 @@ def test_a_comprehension_is_its_functions_own_code_on_every_python():
     # A generator defined elsewhere and consumed here stays a frame of its own: it is not this function's code.
     other = stack("handle", "consume", "produce.<locals>.<genexpr>", samples=5)
     assert "produce.<locals>.<genexpr>" in by_name(diff_stacks([other], []))
+
+
+def timed(leaf: str, samples: int, windows: int, start: int = T0) -> list[ProfileStack]:
+    """``samples`` of a stack ending in ``leaf`` spread over ``windows`` 10 s windows of one process."""
+    return [ProfileStack(host="gpu-1", service="preprocess", pid=1, process="python3",
+                         start_unix_nano=start + w * 10**10, end_unix_nano=start + (w + 1) * 10**10,
+                         frames=(("handle", "app.py", 1), (leaf, "app.py", 9)), samples=samples // windows)
+            for w in range(windows)]
+
+
+def test_a_function_that_already_dominated_is_named_when_its_cpu_time_multiplied():
+    # burn_cpu was 73% of the samples before and is 85% during: a small change of share, within its noise at
+    # these counts, but its own samples a second (its CPU time) went up fourfold, carrying the whole growth.
+    before = timed("burn_cpu", 48, 6) + timed("parse", 18, 6)  # 60 s: 0.8 + 0.3 samples a second
+    during = timed("burn_cpu", 60, 2) + timed("parse", 10, 2)  # 20 s: 3.0 + 0.5
+    diff = diff_stacks(during, before)
+    assert diff.culprit is not None and diff.culprit.function == "burn_cpu", diff.why_unclear
+    assert round(diff.culprit.self_rate_spike / diff.culprit.self_rate_baseline, 2) == 3.75
+    assert stack_diff.z_score(60, 70, 48, 66) < stack_diff.MIN_Z  # the share test alone would not say it
+
+
+def test_twice_the_load_names_no_function():
+    # Every function's samples a second doubled and no share moved: the load, not a function, changed.
+    during = timed("burn_cpu", 160, 2) + timed("parse", 40, 2)  # 8 + 2 samples a second
+    diff = diff_stacks(during, timed("burn_cpu", 240, 6) + timed("parse", 60, 6))  # 4 + 1
+    assert diff.culprit is None
+
+
+def test_a_share_that_grew_only_as_the_rest_shrank_is_not_a_culprit():
+    # A thread reading a socket while its peer is slow: fewer samples a second than before, but everything else
+    # fell further, so its share rose. Naming it would send the reader the wrong way.
+    before = timed("readinto", 60, 6) + timed("encode", 240, 6)  # 1 + 4 samples a second
+    during = timed("readinto", 48, 6) + timed("encode", 60, 6)  # 0.8 + 1
+    diff = diff_stacks(during, before)
+    top = diff.changes[0]
+    assert top.function == "readinto" and top.self_growth > 0.2
+    assert diff.culprit is None
+    assert diff.why_unclear is not None and "grew only as the rest shrank" in diff.why_unclear

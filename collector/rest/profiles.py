@@ -61,6 +61,10 @@ _CHANGE_PROPS: dict[str, Any] = {
     "samples_baseline": {**_COUNT, "description": "the same before the spike"},
     "self_samples_spike": {**_COUNT, "description": "samples with the function as the leaf, during the spike"},
     "self_samples_baseline": {**_COUNT, "description": "the same before the spike"},
+    "self_rate_spike": {"type": "number", "minimum": 0,
+                        "description": "its leaf samples a second of profiled time during the spike (on-CPU "
+                                       "samples: its CPU time)"},
+    "self_rate_baseline": {"type": "number", "minimum": 0, "description": "the same before the spike"},
     "sentence": {"type": "string", "description": "the self shares in words"},
 }
 

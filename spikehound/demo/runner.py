@@ -382,8 +382,15 @@ def profile_line(api: str, spike_id: str) -> str | None:
     except (OSError, ValueError):
         return None
     if answer.get("culprit"):
-        return f"{answer['culprit']['sentence']} (the culprit)"
+        return f"{_with_rate(answer['culprit'])} (the culprit)"
     for group in answer.get("profiles", ()):
         if group["changes"]:
-            return f"{group['changes'][0]['sentence']} (no clear culprit: {group['why_unclear']})"
+            return f"{_with_rate(group['changes'][0])} (no clear culprit: {group['why_unclear']})"
     return None
+
+
+def _with_rate(change: dict[str, Any]) -> str:
+    before, during = change.get("self_rate_baseline") or 0, change.get("self_rate_spike") or 0
+    if before and during >= 2 * before:
+        return f"{change['sentence']}, {during / before:.1f}x its samples a second"
+    return str(change["sentence"])
