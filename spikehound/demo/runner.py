@@ -141,7 +141,7 @@ def short_cause(causes: Sequence[Cause]) -> str:
         tail = f", at {short_cause([explained])}" if explained else f" ({cause.score:.0%})"
         return f"[resource] {cause.resource} on {cause.host}{tail}"
     if kind == CauseKind.NETWORK:
-        what = f"hop {cause.peer_service} -> {cause.service}"
+        what = f"hop {cause.peer_service or 'an untraced caller'} -> {cause.service}"
     elif kind == CauseKind.SERVICE:
         what = f"service {cause.service}"
     else:
@@ -188,7 +188,7 @@ def run_demo(rate: float = 20.0, warmup: float = 40.0, fault_seconds: float = 15
     receiver = WebhookReceiver().start()
     stack = Stack(workdir, HostPort(api.host if api else "127.0.0.1", api_port), receiver.url)
     chosen = [FAULTS[f] for f in faults]
-    _print_plan(con, stack, receiver, rate, warmup, fault_seconds, recover_seconds, chosen)
+    _print_plan(con, stack, receiver, rate, warmup, fault_seconds, recover_seconds, chosen, api is not None)
     status = 2
     load: OpenLoopLoad | None = None
     try:
@@ -243,14 +243,16 @@ def run_demo(rate: float = 20.0, warmup: float = 40.0, fault_seconds: float = 15
 
 
 def _print_plan(con: Console, stack: Stack, receiver: WebhookReceiver, rate: float, warmup: float,
-                fault_seconds: float, recover_seconds: float, chosen: Sequence[Fault]) -> None:
+                fault_seconds: float, recover_seconds: float, chosen: Sequence[Fault], api_chosen: bool) -> None:
     p = stack.ports
+    moved = "" if stack.api.endswith(":8470") or api_chosen else " (8470 was in use)"
     total = warmup + len(chosen) * (fault_seconds + recover_seconds)
     con.say(f"spikehound demo: {len(chosen)} real faults injected into an instrumented inference stack "
             f"(about {total / 60:.1f} minutes of load)")
     rows = [
         ("working dir", f"{stack.workdir} (logs, SQLite databases)"),
-        ("collector", f"API {stack.api}, OTLP gRPC 127.0.0.1:{p['grpc']}, SQLite {stack.workdir / 'spikehound.db'}"),
+        ("collector", f"API {stack.api}{moved}, OTLP gRPC 127.0.0.1:{p['grpc']}, "
+                      f"SQLite {stack.workdir / 'spikehound.db'}"),
         ("agent", f"OTLP 127.0.0.1:{p['agent_grpc']} (gRPC) and :{p['agent_http']} (HTTP), "
                   f"host {socket.gethostname()}"),
         ("stack", f"gateway :{p['gateway']} -> preprocess :{p['preprocess']} (feature store: SQLite) -> "
