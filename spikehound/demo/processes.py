@@ -60,7 +60,15 @@ def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-PROFILED_PATTERN = r"spikehound\.demo\.stack"  # the services' command lines; not the delay proxy's
+def profiled_pattern(*ports: int) -> str:
+    r"""This demo's three services, by their command lines and ports: another demo's on the host are not ours.
+
+    >>> print(profiled_pattern(5001, 5002))
+    spikehound\.demo\.stack \S+ --port (?:5001|5002)\b
+    """
+    return rf"spikehound\.demo\.stack \S+ --port (?:{'|'.join(map(str, ports))})\b"
+
+
 PROFILE_WINDOW_S = 5  # the demo's detection window
 # A short demo's baseline is a minute of mostly idle services: 19 Hz would catch too few on-CPU samples in it.
 PROFILE_RATE_HZ = 49
@@ -190,7 +198,8 @@ class Stack:
                             "SPIKEHOUND_AGENT_METRICS_LISTEN": f"127.0.0.1:{ports['agent_metrics']}",
                             "SPIKEHOUND_AGENT_DRAIN_SECONDS": "3",
                             # The three services are profiled (docs/profiles.md), in the demo's short windows.
-                            "SPIKEHOUND_AGENT_PROCESS_PATTERNS": PROFILED_PATTERN,
+                            "SPIKEHOUND_AGENT_PROCESS_PATTERNS": profiled_pattern(
+                                ports["gateway"], ports["preprocess"], ports["model"]),
                             "SPIKEHOUND_AGENT_PROFILE_WINDOW_SECONDS": str(PROFILE_WINDOW_S),
                             "SPIKEHOUND_AGENT_PROFILE_RATE_HZ": str(PROFILE_RATE_HZ)},
                            f"http://127.0.0.1:{ports['agent_metrics']}/healthz", workdir)
