@@ -26,6 +26,7 @@ log = logging.getLogger("spikehound.collector.ingest")
 NS = 1_000_000_000
 MAX_WRONG_CLOCK_SENDERS = 100  # senders counted by name; the rest together (a hostile peer may invent names)
 WRONG_CLOCK_LOG_SECONDS = 600.0
+_UNITS = {"metrics": "metric samples", "profiles": "profile samples"}  # what a signal's records are, in the logs
 
 
 @dataclass(slots=True, frozen=True)
@@ -217,8 +218,8 @@ class Ingest:
             self._senders[key] = now
             log.warning("refused %d %s dated more than %.0f s after this collector's clock from service %r on host "
                         "%r: that sender's clock is ahead (collector.max_clock_skew_seconds); said once every "
-                        "%.0f minutes per sender", count, signal, self.max_clock_skew_ns / NS, printable(service, 200),
-                        printable(host, 200), WRONG_CLOCK_LOG_SECONDS / 60)
+                        "%.0f minutes per sender", count, _UNITS.get(signal, signal), self.max_clock_skew_ns / NS,
+                        printable(service, 200), printable(host, 200), WRONG_CLOCK_LOG_SECONDS / 60)
 
     def truncation_note(self, truncated: dict[str, int]) -> str:
         """The warning an answer carries when values were cut to the limits ("" when none were)."""

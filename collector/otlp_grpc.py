@@ -34,7 +34,6 @@ from spikehound.otlp import (
     parse_trace_request,
     retry_trailers,
 )
-from spikehound.otlp_profiles import parse_profiles_request
 
 log = logging.getLogger("spikehound.collector.grpc")
 
@@ -108,7 +107,7 @@ class _ProfilesExport:
                 self.ingest.check_storage("grpc")
                 with self.profiles.admit("grpc") as in_flight:
                     admission.need(len(body))
-                    decoded = self.profiles.decode(parse_profiles_request(body))
+                    decoded = await self.profiles.decode_body(body, admission, in_flight)  # on a worker thread
                     accepted = await self.profiles.submit(decoded, "grpc", admission, in_flight)
             except PayloadError as exc:
                 counted.labels("grpc", "bad_payload").inc()

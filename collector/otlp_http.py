@@ -46,7 +46,6 @@ from spikehound.otlp_http_framing import (
     status_response,
     too_large_response,
 )
-from spikehound.otlp_profiles import parse_profiles_request
 
 log = logging.getLogger("spikehound.collector.http")
 
@@ -91,7 +90,7 @@ class HttpReceiver:
                     if isinstance(body, web.StreamResponse):
                         return body
                     admission.need(len(body))
-                    decoded = profiles.decode(parse_profiles_request(body, json=as_json))
+                    decoded = await profiles.decode_body(body, admission, in_flight, json=as_json)  # worker thread
                     accepted = await profiles.submit(decoded, "http", admission, in_flight)
             except PayloadError as exc:
                 self.ingest.telemetry.rejected_requests.labels("http", "bad_payload").inc()

@@ -5,7 +5,10 @@ go through the span and point ingest queue and its batches: each request is writ
 on the collector's writer thread (``IngestPipeline.write_aside``, which reports the outcome to
 ``StorageHealth`` as the pipeline's commits do) and answered once that transaction has committed. Requests
 in flight are bounded (``MAX_REQUESTS_IN_FLIGHT``, besides the byte budget both receivers share): past it the
-sender is told to retry later, as a full ingest queue does.
+sender is told to retry later, as a full ingest queue does. Parsing and decoding a request run on a worker
+thread (``decode_body``), not on the event loop, so at most ``MAX_REQUESTS_IN_FLIGHT`` of them at once: a large
+export must not stall the other receivers and the API; what one request may expand to is bounded while it is
+decoded (``decode_profiles``: ``MAX_STACKS_PER_REQUEST`` stacks, ``MAX_FRAME_CHARS_PER_REQUEST`` characters).
 
 >>> ProfileIngest.in_flight_message(8)
 'too many profile exports in flight (8); retry later'
@@ -23,11 +26,16 @@ from collector.ingest import Accepted, Admission, HeldUntilDone, Ingest, Invalid
 from collector.storage_unavailable import StorageUnavailable
 from spikehound.model import ProfileStack
 from spikehound.otlp import MAX_TIME_NS, attributes
-from spikehound.otlp_profiles import DecodedProfiles, decode_profiles, stacks_of_samples
+from spikehound.otlp_profiles import (
+    DecodedProfiles,
+    decode_profiles,
+    parse_profiles_request,
+    profile_samples,
+    stacks_of_samples,
+)
 
 SIGNAL = "profiles"
 MAX_REQUESTS_IN_FLIGHT = 8  # profile writes queue on the one writer thread, between the span commits
-MAX_STACKS_PER_REQUEST = 10_000  # rows of one write: a profiler sends a few hundred; an IN list stays bounded
 MAX_SAMPLES = 2**31 - 1  # profile_samples.samples is a 32-bit integer on PostgreSQL
 
 # Runs ``fn(*args)`` in its own transaction on the writer thread; StorageUnavailable when it failed.
@@ -77,16 +85,39 @@ class ProfileIngest:
         self.in_flight += 1
         return InFlight(self)
 
-    def decode(self, request: ExportProfilesServiceRequest) -> DecodedProfiles:
-        """The request's stacks, cut to the collector's limits and checked against its clock."""
+    async def decode_body(self, body: bytes, admission: Admission, in_flight: InFlight, *,
+                          json: bool = False) -> DecodedProfiles:
+        """Parse and decode a request's body on a worker thread: PayloadError when it is unreadable.
+
+        The request keeps its bytes and its place among those in flight until the decoding ends, even when its
+        sender hangs up meanwhile: the places bound the decodings running at once.
+        """
         ingest = self.ingest
         not_after = ingest.not_after_ns()
-        decoded = decode_profiles(request, limits=ingest.limits, not_after_ns=not_after)
-        if decoded.future:
-            for (service, host), count in _future_senders(request, not_after, ingest.limits.resource_name).items():
-                ingest.count_future(SIGNAL, service, host, count)
-        _bound(decoded)
+        done = asyncio.get_running_loop().run_in_executor(None, self._decode, body, json, not_after)
+        done.add_done_callback(_retrieve)
+        admission.until(done)
+        in_flight.until(done)
+        decoded, future = await asyncio.shield(done)
+        for (service, host), count in future.items():
+            ingest.count_future(SIGNAL, service, host, count)
         return decoded
+
+    def _decode(self, body: bytes, json: bool, not_after: int) -> tuple[DecodedProfiles, dict[tuple[str, str], int]]:
+        """Run on a worker thread: the request's stacks, cut to the collector's limits and checked against
+        ``not_after``, and the samples dated after it by sender."""
+        return self.decode(parse_profiles_request(body, json=json), not_after)
+
+    def decode(self, request: ExportProfilesServiceRequest,
+               not_after: int | None = None) -> tuple[DecodedProfiles, dict[tuple[str, str], int]]:
+        """The request's stacks, cut to the collector's limits and checked against its clock, and the samples
+        dated after it by (service, host); touches nothing shared, so it may run on any thread."""
+        limits = self.ingest.limits
+        not_after = self.ingest.not_after_ns() if not_after is None else not_after
+        decoded = decode_profiles(request, limits=limits, not_after_ns=not_after)
+        future = _future_senders(request, not_after, limits.resource_name) if decoded.future else {}
+        _bound(decoded)
+        return decoded, future
 
     async def submit(self, decoded: DecodedProfiles, protocol: str, admission: Admission,
                      in_flight: InFlight) -> Accepted:
@@ -125,15 +156,13 @@ class ProfileIngest:
 
 
 def _bound(decoded: DecodedProfiles) -> None:
-    """Refuse what storage cannot take: counts past its integer, stacks past one write's rows."""
+    """Refuse what storage cannot take: counts past its integer (the stacks past one write's rows were refused
+    while decoding, ``MAX_STACKS_PER_REQUEST``)."""
     kept: list[ProfileStack] = []
     for stack in decoded.stacks:
         if stack.samples > MAX_SAMPLES:
             decoded.reject(f"profile of pid {stack.pid} on {stack.host}: a stack counts {stack.samples} samples, "
                            f"more than {MAX_SAMPLES}", stack.samples)
-        elif len(kept) >= MAX_STACKS_PER_REQUEST:
-            decoded.reject(f"more than {MAX_STACKS_PER_REQUEST} stacks in one request: the rest was refused; "
-                           "send fewer at a time", stack.samples)
         else:
             kept.append(stack)
     decoded.stacks = kept
@@ -154,8 +183,7 @@ def _future_senders(request: ExportProfilesServiceRequest, not_after_ns: int,
             for profile in sp.profiles:
                 end = profile.time_unix_nano + profile.duration_nano
                 if profile.time_unix_nano and profile.duration_nano > 0 and not_after_ns < end <= MAX_TIME_NS:
-                    samples = sum(sum(s.values[:1]) for s in profile.samples)
-                    found[key] = found.get(key, 0) + samples
+                    found[key] = min(2**63 - 1, found.get(key, 0) + profile_samples(profile))
     return found
 
 

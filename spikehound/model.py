@@ -18,6 +18,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_PERIOD_NS = 52_631_578  # 1 s / 19 Hz: a profile sample's time when its producer gives no period
+
 AttributeValue = str | bool | int | float | list[Any] | dict[str, Any] | bytes | None
 
 
@@ -221,7 +223,7 @@ class ProfileStack:
     frames: tuple[Frame, ...]
     samples: int
     kind: str = "cpu"
-    period_ns: int = 52_631_578  # 1 s / 19 Hz: the time one sample stands for
+    period_ns: int = DEFAULT_PERIOD_NS  # the time one sample stands for
 
 
 class CauseKind(enum.StrEnum):

@@ -6,6 +6,7 @@ write answered as the other signals are (real collectors on loopback, SQLite and
 from __future__ import annotations
 
 import gzip
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,9 +27,14 @@ from sqlalchemy.exc import OperationalError
 
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
-from spikehound.model import ProfileStack
+from spikehound.model import DEFAULT_PERIOD_NS, ProfileStack
 from spikehound.otlp import trailer_retry_delay
-from spikehound.otlp_profiles import encode_profiles
+from spikehound.otlp_profiles import (
+    MAX_FRAME_CHARS_PER_REQUEST,
+    MAX_FRAMES,
+    decode_profiles,
+    encode_profiles,
+)
 from storage.reader import Reader, count_rows
 
 PROTOBUF = "application/x-protobuf"
@@ -236,6 +242,175 @@ def test_a_count_storage_cannot_hold_is_refused(sqlite_collector: CollectorThrea
     assert response.partial_success.rejected_profiles == 2**31
     assert "more than 2147483647" in response.partial_success.error_message
     assert [s.frames[-1][0] for s in stored(sqlite_collector, start)] == ["small"]
+
+
+def test_a_profile_without_a_period_is_stored_with_the_default_period(sqlite_collector: CollectorThread,
+                                                                         export: Callable[..., Any]):
+    # period is optional to OTLP producers: 0 in protobuf, left out of a JSON body.
+    assert ProfileStack("h", "s", 1, "p", 1, 2, (), 1).period_ns == DEFAULT_PERIOD_NS == 52_631_578
+    start = window_start()
+    req = encode_profiles([stack("burn_cpu", 7, start)])
+    req.resource_profiles[0].scope_profiles[0].profiles[0].period = 0
+    assert not export(req, timeout=10).HasField("partial_success")
+    later = encode_profiles([stack("burn_cpu", 3, start + 10 * S, pid=43)])
+    later.resource_profiles[0].scope_profiles[0].profiles[0].period = 0
+    body = json_format.MessageToDict(later)
+    assert "period" not in body["resourceProfiles"][0]["scopeProfiles"][0]["profiles"][0]
+    r = post(sqlite_collector, json_format.MessageToJson(later).encode(), JSON)
+    assert r.status_code == 200, r.content
+    assert [(s.samples, s.period_ns) for s in stored(sqlite_collector, start)] == [(7, DEFAULT_PERIOD_NS),
+                                                                                  (3, DEFAULT_PERIOD_NS)]
+    assert sqlite_collector.metric("spikehound_storage_write_errors_total") == 0
+
+
+def test_negative_and_huge_counts_are_refused_and_the_valid_rest_stored(sqlite_collector: CollectorThread,
+                                                                      export: Callable[..., Any]):
+    start = window_start()
+    # A profile refused as a whole (no host) whose one sample counts -5: one refused sample, not -5 (a
+    # negative counter increment raised: 500 / UNKNOWN with a traceback).
+    nohost = encode_profiles([stack("burn_cpu", 5, start, host="")])
+    nohost.resource_profiles[0].scope_profiles[0].profiles[0].samples[0].values[0] = -5
+    with pytest.raises(grpc.RpcError) as raised:
+        export(nohost, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    r = post(sqlite_collector, nohost.SerializeToString())
+    assert r.status_code == 400 and "no host.name" in status_of(r).message
+    assert counter(sqlite_collector, "rejected", signal="profiles", reason="invalid") == 2
+    # Refused samples summing past int64 beside a valid stack: the sum saturates, the valid stack is stored and
+    # the answer is a partial success (rejected_profiles is an int64).
+    req = encode_profiles([stack("valid", 3, start, pid=1), stack("a", 1, start, pid=2, host=""),
+                           stack("b", 1, start, pid=2, host="")])
+    for sample in req.resource_profiles[1].scope_profiles[0].profiles[0].samples:
+        sample.values[0] = 2**63 - 1
+    response = export(req, timeout=10)
+    assert response.partial_success.rejected_profiles == 2**63 - 1
+    r = post(sqlite_collector, req.SerializeToString())
+    assert r.status_code == 200, r.content
+    assert ExportProfilesServiceResponse.FromString(r.content).partial_success.rejected_profiles == 2**63 - 1
+    # Two samples of one stack at int64's largest: summed saturating, then refused as more than storage holds.
+    same = encode_profiles([stack("huge", 1, start + 10 * S), stack("small", 2, start + 10 * S)])
+    samples = same.resource_profiles[0].scope_profiles[0].profiles[0].samples
+    samples[0].values[0] = 2**63 - 1
+    samples.add(stack_index=samples[0].stack_index, values=[2**63 - 1])
+    response = export(same, timeout=10)
+    assert response.partial_success.rejected_profiles == 2**63 - 1
+    assert [(s.frames[-1][0], s.samples) for s in stored(sqlite_collector, start)] == [("valid", 3), ("small", 2)]
+
+
+def test_a_profile_dated_before_2000_is_refused(sqlite_collector: CollectorThread, export: Callable[..., Any]):
+    start = window_start()
+    response = export(encode_profiles([stack("burn_cpu", 30, 10 * S, host="unset-clock"),
+                                       stack("burn_cpu", 2, start)]), timeout=10)
+    assert response.partial_success.rejected_profiles == 30
+    assert "before 2000-01-01" in response.partial_success.error_message
+    assert [s.host for s in stored(sqlite_collector, start)] == ["gpu-1"]
+    assert Reader(sqlite_collector.collector.engine).profile_stacks(0, 100 * S) == []
+
+
+def test_the_wrong_clock_warning_counts_samples(sqlite_collector: CollectorThread, export: Callable[..., Any],
+                                                caplog: pytest.LogCaptureFixture):
+    ahead = time.time_ns() + 3600 * S
+    with caplog.at_level(logging.WARNING, logger="spikehound.collector.ingest"), pytest.raises(grpc.RpcError):
+        export(encode_profiles([stack("burn_cpu", 57, ahead, host="fast-clock")]), timeout=10)
+    assert "refused 57 profile samples dated more than" in caplog.text
+
+
+def deep_request(stacks: int, depth: int, name_length: int, start: int) -> ExportProfilesServiceRequest:
+    """A small request that expands a lot: ``stacks`` distinct stacks of ``depth`` frames, each named by strings
+    of ``name_length`` characters that the request carries once."""
+    req = ExportProfilesServiceRequest()
+    d = req.dictionary
+    d.string_table.extend(["", "f" * name_length, "/" + "x" * (name_length - 1), "cpu"])
+    d.function_table.add()
+    d.function_table.add(name_strindex=1, filename_strindex=2)
+    d.location_table.add()
+    for line in range(1, depth + 2):
+        d.location_table.add().lines.add(function_index=1, line=line)
+    d.stack_table.add()
+    rp = req.resource_profiles.add()
+    rp.resource.attributes.add(key="host.name").value.string_value = "gpu-1"
+    profile = rp.scope_profiles.add().profiles.add(time_unix_nano=start, duration_nano=10 * S, period=10**9 // 19)
+    profile.period_type.type_strindex = 3
+    for i in range(stacks):
+        d.stack_table.add(location_indices=[1 + (i + k) % (depth + 1) for k in range(depth)])
+        profile.samples.add(stack_index=len(d.stack_table) - 1, values=[1])
+    return req
+
+
+def test_what_one_request_expands_to_is_bounded_while_it_is_decoded(sqlite_collector: CollectorThread,
+                                                                    export: Callable[..., Any]):
+    start = window_start()
+    # 40 distinct stacks of 256 frames of 2 KB names: 21 MB of frames from a request of about 20 kB.
+    req = deep_request(40, MAX_FRAMES, 1024, start)
+    per_stack = MAX_FRAMES * (2 * 1024 + 16)
+    kept = MAX_FRAME_CHARS_PER_REQUEST // per_stack
+    assert len(req.SerializeToString()) < 30_000 and 40 * per_stack > 2 * MAX_FRAME_CHARS_PER_REQUEST
+    response = export(req, timeout=30)
+    assert response.partial_success.rejected_profiles == 40 - kept
+    assert "more than 8388608 characters of frames" in response.partial_success.error_message
+    assert len(stored(sqlite_collector, start)) == kept
+    assert counter(sqlite_collector, "rejected", signal="profiles", reason="invalid") == 40 - kept
+    assert counter(sqlite_collector, "stored", signal="profiles") == kept
+
+
+def test_the_stacks_past_the_bound_are_refused_unresolved():
+    start = window_start()
+    req = deep_request(5, 3, 8, start)
+    req.dictionary.stack_table[5].location_indices[0] = 999  # past the bound: refused without being looked at
+    decoded = decode_profiles(req, max_stacks=3)
+    assert len(decoded.stacks) == 3 and decoded.rejected == 2
+    assert decoded.errors == ["more than 3 stacks in one request: the rest was refused; send fewer at a time"]
+    # Samples of stacks already taken still count; a stack already paid for costs nothing again.
+    again = req.resource_profiles[0].scope_profiles[0].profiles[0].samples
+    again.add(stack_index=1, values=[4])
+    decoded = decode_profiles(req, max_stacks=3)
+    assert [s.samples for s in decoded.stacks] == [5, 1, 1] and decoded.rejected == 2
+    cost = 3 * (8 + 8 + 16)  # a stack of 3 frames with 8-character names
+    decoded = decode_profiles(req, max_frame_chars=2 * cost)
+    assert len(decoded.stacks) == 2 and decoded.rejected == 3
+    assert "more than 192 characters of frames" in decoded.error_message
+
+
+def test_a_deep_stack_keeps_its_root_and_its_leaf():
+    start = window_start()
+    deep = ProfileStack("gpu-1", "svc", 42, "python3", start, start + 10 * S,
+                        tuple((f"f{i}", "a.py", i + 1) for i in range(1000)), 9)
+    decoded = decode_profiles(encode_profiles([deep]))
+    [back] = decoded.stacks
+    assert len(back.frames) == MAX_FRAMES and decoded.truncated == {"frames": 1}
+    assert back.frames[:128] == deep.frames[:128]  # the caller context
+    assert back.frames[128] == ("(745 frames cut)", "", 0)
+    assert back.frames[129:] == deep.frames[-127:]  # the leaf: the self share a diff reads
+
+
+def test_decoding_runs_off_the_event_loop_within_the_in_flight_bound(sqlite_collector: CollectorThread,
+                                                                     export: Callable[..., Any]):
+    profiles = sqlite_collector.collector.profiles
+    assert profiles is not None
+    decode, started, release = profiles._decode, threading.Event(), threading.Event()
+
+    def slow(*args: Any) -> Any:
+        started.set()
+        release.wait(10)  # a decoding that takes its time
+        return decode(*args)
+
+    profiles._decode, profiles.max_in_flight = slow, 1  # type: ignore[method-assign]
+    start = window_start()
+    waiting = export.future(encode_profiles([stack("first", 9, start)]), timeout=20)
+    try:
+        assert started.wait(10)
+        # The event loop is free meanwhile: the API answers, the receivers refuse past the bound.
+        t0 = time.monotonic()
+        assert requests.get(f"{sqlite_collector.api}/readyz", timeout=5).status_code == 200
+        assert time.monotonic() - t0 < 2
+        assert profiles.in_flight == 1
+        r = post(sqlite_collector, encode_profiles([stack("second", 1, start)]).SerializeToString())
+        assert r.status_code == 429
+    finally:
+        release.set()
+    waiting.result()
+    assert profiles.in_flight == 0
+    assert [s.frames[-1][0] for s in stored(sqlite_collector, start)] == ["first"]
 
 
 # --- the token, the in-flight bound, a failing write -------------------------------------------------------------
