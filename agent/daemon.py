@@ -96,8 +96,9 @@ class Agent:
         self.profiler = self._make_profiler(host)
         # Only a profiler needs to know which process sends which service.
         services = self.services if self.profiler is not None else None
-        self.intake = Intake(Enricher(identity, on_resource=services.learn_resource if services else None),
-                             self.queue, services=services)
+        # A resource's process.pid is weighed against the socket table, per connection, by the intake (not by
+        # the enricher, which sees a resource without the connection it came by).
+        self.intake = Intake(Enricher(identity), self.queue, services=services)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
         self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log,

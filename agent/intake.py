@@ -37,7 +37,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from agent.enrich import Enricher
 from agent.forward_queue import ForwardQueue
-from agent.services import ServiceMap
+from agent.services import ServiceMap, claimed_pid
 from agent.spool import Item, Signal, SpoolWriteError
 from spikehound.otlp import PayloadError, parse_metrics_request, parse_trace_request
 from spikehound.protowire import LEN, WireError, encode_varint, fields
@@ -168,6 +168,21 @@ def request_sender(payload: bytes) -> str:
     return "unknown" if first is None else _service_name(memoryview(payload)[first.value:first.end])
 
 
+def request_resource(payload: bytes) -> Resource:
+    """The resource of a request's first ResourceSpans / ResourceMetrics entry (empty when it has none)."""
+    resource = Resource()
+    try:
+        first = next((f for f in fields(payload) if f.number == 1 and f.wire == LEN), None)
+        if first is not None:
+            entry = memoryview(payload)[first.value:first.end]
+            for f in fields(entry):
+                if f.number == 1 and f.wire == LEN:
+                    resource.MergeFromString(bytes(entry[f.value:f.end]))
+    except (WireError, IndexError, DecodeError):
+        return Resource()
+    return resource
+
+
 def _service_name(entry: memoryview) -> str:
     """The ``service.name`` of a ResourceSpans / ResourceMetrics entry's resource."""
     try:
@@ -266,7 +281,10 @@ class Intake:
         self.received[signal, protocol] += count
         services = self.services
         if peer is not None and services is not None and not services.knows_peer(peer):
-            services.note_peer(peer, request_sender(enriched))  # a connection's first request only
+            try:  # a connection's first request only; learning a service never refuses spans
+                services.note_peer(peer, request_sender(enriched), claimed_pid(request_resource(enriched)))
+            except Exception as exc:
+                services.failed("a connection's first request", exc)
         if not count:
             return Accepted(signal, 0)
         limit = self.queue.max_request_bytes

@@ -23,7 +23,9 @@ Failures keep the agent running, and are counted by reason:
   sandbox): one warning naming ``AmbientCapabilities=CAP_SYS_PTRACE``, and that process is tried again only
   every ``RETRY_SECONDS``;
 * ``not_python``: py-spy finds no Python interpreter in it (``tritonserver``): skipped, tried again as rarely;
-* ``timeout``: py-spy ran well past its window: killed; ``error``: anything else (one warning per process);
+* ``timeout``: py-spy ran well past its window: killed; ``error``: anything else (one warning per process),
+  output that cannot be read or stacks that cannot be encoded among them: each process's run is parsed and
+  encoded on its own account, so one process's odd output never costs the others their window;
 * ``queue_full``: the forward queue and spool had no room (the window is lost), ``too_large``: stacks that
   alone exceed the collector's request limit.
 
@@ -75,7 +77,8 @@ PTRACE_HELP = ("give the agent CAP_SYS_PTRACE (AmbientCapabilities=CAP_SYS_PTRAC
 _DENIED = re.compile(r"permission denied|operation not permitted|ptrace|os error 1\b|os error 13\b", re.IGNORECASE)
 _NOT_PYTHON = re.compile(r"failed to find python version|not a python process|python interpreter",
                          re.IGNORECASE)
-_FRAME = re.compile(r"(?P<name>.*) \((?P<file>.*):(?P<line>\d+)\)", re.DOTALL)
+_FRAME = re.compile(r"(?P<name>.*) \((?P<file>.*):(?P<line>[0-9]{1,9})\)", re.DOTALL)
+MAX_COUNT_DIGITS = 12  # a count with more digits is no py-spy count (and could overflow the encoding's int64)
 
 
 def find_py_spy() -> str | None:
@@ -138,13 +141,21 @@ def _frames(folded: str) -> tuple[Frame, ...]:
 
 def parse_folded(text: str) -> Counter[tuple[Frame, ...]]:
     """py-spy's ``--format raw`` output: stack (root first) -> samples; lines that are not ``STACK COUNT`` are
-    skipped."""
+    skipped.
+
+    The count is ASCII digits only (``str.isdigit`` takes "²", which ``int`` does not). py-spy prints a
+    function name as it is, so one with a newline (``code.replace(co_name=...)``) splits its stack over two
+    lines: the first, which ends in no count, is skipped; the second is read as the stack it looks like.
+
+    >>> parse_folded("main (a.py:1);x \\u00b2\\nY (a.py:2) 7\\nmain (a.py:1) 4\\u00b2\\n")
+    Counter({(('Y', 'a.py', 2),): 7})
+    """
     stacks: Counter[tuple[Frame, ...]] = Counter()
     for line in text.splitlines():
         if line.startswith("py-spy> "):  # its progress lines share stdout with the stacks
             continue
         folded, _, count = line.rstrip().rpartition(" ")
-        if not folded or not count.isdigit():
+        if not folded or not (count.isascii() and count.isdigit()) or len(count) > MAX_COUNT_DIGITS:
             continue
         frames = _frames(folded)
         if frames:
@@ -271,11 +282,17 @@ class Profiler:
             return []
         runs = [run for run in await asyncio.gather(*(self._start(pid, name) for pid, name in targets.items()))
                 if run is not None]
-        results = await asyncio.gather(*(self._finish(run) for run in runs))
-        stacks = [stack for result in results for stack in result]
-        if stacks:
-            self._queue(stacks)
-        return stacks
+        # One process's run never costs another its window: each is read, parsed and its failure counted alone.
+        results = await asyncio.gather(*(self._finish(run) for run in runs), return_exceptions=True)
+        stacks: list[ProfileStack] = []
+        for run, result in zip(runs, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self._failed(run.pid, run.process, "error", f"{type(result).__name__}: {result}")
+            else:
+                stacks.extend(result)
+        return self._queue(stacks) if stacks else []
 
     async def _start(self, pid: int, name: str) -> _Run | None:
         assert self.py_spy is not None
@@ -328,6 +345,13 @@ class Profiler:
         if child.returncode != 0:
             self._failed_run(run, err.decode("utf-8", "replace"))
             return []
+        try:
+            return self._stacks(run, out, end_ns)
+        except Exception as exc:  # output no stack could be read from: this process's window only
+            self._failed(run.pid, run.process, "error", f"unreadable output: {type(exc).__name__}: {exc}")
+            return []
+
+    def _stacks(self, run: _Run, out: bytes, end_ns: int) -> list[ProfileStack]:
         counts, folded = bounded(parse_folded(out.decode("utf-8", "replace")), self.max_stacks)
         self.stats.folded_stacks += folded
         service = self.services.service_of(run.pid) if self.services is not None else ""
@@ -367,10 +391,22 @@ class Profiler:
         else:  # expected (a server restarting) or already said
             log.debug("profiling process %d (%s) failed: %s: %s", pid, name, reason, detail)
 
-    def _queue(self, stacks: list[ProfileStack]) -> None:
-        """Queue one window's stacks as one request, split when larger than the collector takes."""
+    def _queue(self, stacks: list[ProfileStack]) -> list[ProfileStack]:
+        """Queue one window's stacks as one request, split when larger than the collector takes; the stacks
+        that could be encoded."""
         limit = self.queue.max_request_bytes
-        pieces = _pieces(stacks, limit)
+        try:
+            pieces = _pieces(stacks, limit)
+        except Exception:  # one process's stacks cannot be encoded: encode each process alone, drop that one
+            pieces: list[tuple[bytes, list[ProfileStack]]] = []
+            refused: set[int] = set()
+            for pid, (name, own) in _by_process(stacks).items():
+                try:
+                    pieces += _pieces(own, limit)
+                except Exception as exc:
+                    refused.add(pid)
+                    self._failed(pid, name, "error", f"its stacks cannot be encoded: {type(exc).__name__}: {exc}")
+            stacks = [s for s in stacks if s.pid not in refused]
         items = [Item(Signal.PROFILES, payload, len(piece)) for payload, piece in pieces]
         dropped = len(stacks) - sum(item.count for item in items)
         if dropped:
@@ -378,7 +414,7 @@ class Profiler:
             log.warning("profiling: %d stacks dropped, each alone larger than the %d bytes the collector takes",
                         dropped, limit)
         if not items:
-            return
+            return stacks
         try:
             queued = self.queue.put_all(items)
         except SpoolWriteError:  # logged by the spool
@@ -386,11 +422,12 @@ class Profiler:
         if not queued:
             self.stats.failures["queue_full"] += 1
             log.debug("profiling: the forward queue had no room for a window of %d stacks", len(stacks))
-            return
+            return stacks
         self.stats.windows += 1
         self.stats.requests += len(items)
         self.stats.stacks += sum(item.count for item in items)
         self.stats.samples += sum(s.samples for _, piece in pieces for s in piece)
+        return stacks
 
     def close(self) -> None:
         """Kill the py-spy children still running (the task was cancelled)."""
@@ -420,6 +457,14 @@ def _pieces(stacks: list[ProfileStack], limit: int) -> list[tuple[bytes, list[Pr
         return []
     half = len(stacks) // 2
     return _pieces(stacks[:half], limit) + _pieces(stacks[half:], limit)
+
+
+def _by_process(stacks: list[ProfileStack]) -> dict[int, tuple[str, list[ProfileStack]]]:
+    """pid -> (its executable name, its stacks), in order."""
+    groups: dict[int, tuple[str, list[ProfileStack]]] = {}
+    for s in stacks:
+        groups.setdefault(s.pid, (s.process, []))[1].append(s)
+    return groups
 
 
 def _kill(child: asyncio.subprocess.Process) -> None:

@@ -1,15 +1,29 @@
 """Which service a local process serves: pid -> ``service.name``, learnt from the spans the agent receives.
 
 The profiler labels each process's stacks with the service whose spans that process exports, so the
-collector can join profiles to spans. Two ways to learn it, both off the hot path:
+collector can join profiles to spans. Learnt off the hot path, from the first request of each connection:
+the gRPC peer (``ipv4:127.0.0.1:54321``) or the HTTP peer address is the local end of the sender's TCP
+socket, so the process owning a socket bound to that address is the sender. The request's first
+``service.name`` (and its ``process.pid``, if the resource has one) is noted on the first request of a
+connection; the socket table (``psutil.net_connections``, which walks every process's file descriptors) is
+read later, in a thread, before a profile window and at most every ``rescan_seconds``.
 
-* the resource of a request carries ``process.pid`` (SDKs with the process resource detector set it): read
-  when the enricher first sees that resource (it caches resources, so once per sender);
-* otherwise the connection it came by: the gRPC peer (``ipv4:127.0.0.1:54321``) or the HTTP peer address is
-  the local end of the sender's TCP socket, so the process owning a socket bound to that address is the
-  sender. The request's first ``service.name`` is noted on the first request of a connection; the socket
-  table (``psutil.net_connections``, which walks every process's file descriptors) is read later, in a
-  thread, before a profile window and at most every ``rescan_seconds``.
+Whom to believe. A resource's ``process.pid`` is what the sender claims (and inside a container it is the
+pid in the container's namespace, another process on the host); the socket table is what the kernel says.
+So:
+
+* the socket table wins: when it names the process owning the connection, that pid gets the connection's
+  service, and no resource's claim ever overrides it (nor is a pid the kernel mapped given to a claimant);
+* a connection the socket table names as one pid while its resource claims another: the claim is refuted,
+  and that claimed pid is given no service by any later claim either;
+* a claimed pid is used only where the socket table cannot say: it could not be read (no permission), the
+  connection is no TCP address (a unix socket) or a resource came without any connection
+  (``learn_resource``); and only a pid in range that exists on the host. A TCP connection the table was read
+  for and did not show (closed before the read, or from another host) leaves its claim unused;
+* ``process.pid`` is read as an int attribute or a string of ASCII digits, 1..``kernel.pid_max``; anything
+  else is no claim. Nothing here raises into the span path: a failure is counted (``errors``) and logged once.
+
+No socket-table read is added for claims: one ``pid_exists`` (a signal-0 ``kill``) per connection's claim.
 
 >>> services = ServiceMap()
 >>> services.note_peer("ipv4:127.0.0.1:54321", "llm-server")
@@ -27,6 +41,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -40,6 +55,48 @@ RESCAN_SECONDS = 30.0  # socket-table reads at most this often while connections
 MAX_PEERS = 4096  # connections remembered; a host with more (short-lived senders) starts over
 MAX_PIDS = 4096
 RESOLVE_TRIES = 3  # socket-table reads a connection waits through before it is given up (closed, not ours)
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text().strip())
+    except (OSError, ValueError):
+        return 1 << 22  # the largest pid_max Linux allows
+
+
+PID_MAX = _pid_max()
+
+
+def claimed_pid(resource: Resource) -> int:
+    """The resource's ``process.pid``: an int attribute, or a string of ASCII digits, in 1..PID_MAX; else 0.
+
+    >>> r = Resource(); r.attributes.add(key="process.pid").value.string_value = "\\u00b2"; claimed_pid(r)
+    0
+    >>> r.attributes[0].value.string_value = "4242"; claimed_pid(r)
+    4242
+    """
+    for kv in resource.attributes:
+        if kv.key != "process.pid":
+            continue
+        value = kv.value
+        kind = value.WhichOneof("value")
+        if kind == "int_value":
+            pid = value.int_value
+        elif kind == "string_value" and value.string_value.isascii() and value.string_value.isdigit() \
+                and len(value.string_value) <= 10:
+            pid = int(value.string_value)
+        else:
+            return 0
+        return pid if 0 < pid <= PID_MAX else 0
+    return 0
+
+
+def resource_service(resource: Resource) -> str:
+    """The resource's ``service.name``; "" without one."""
+    for kv in resource.attributes:
+        if kv.key == "service.name":
+            return kv.value.string_value
+    return ""
 
 
 def parse_peer(peer: Hashable) -> Address | None:
@@ -70,57 +127,98 @@ class ServiceMap:
         self._ps: Any = psutil_module or psutil
         self.rescan_seconds = rescan_seconds
         self._clock = clock
-        self._services: dict[int, str] = {}
-        self._from_resource: set[int] = set()  # pids a resource named: what a connection says does not override
+        self._services: dict[int, str] = {}  # what the socket table said: never overridden by a claim
+        self._claims: dict[int, str] = {}  # what resources claimed, where the socket table could not say
+        self._refuted: set[int] = set()  # pids claimed by a connection the socket table named as another pid
         self._peers: dict[Hashable, int] = {}  # every connection seen -> resolve tries left (0: done or given up)
-        self._pending: dict[Address, tuple[Hashable, str]] = {}  # address -> (connection, its service.name)
+        # address -> (connection, its service.name, the pid its resource claims or 0, whether a read of the
+        # socket table succeeded while it waited)
+        self._pending: dict[Address, tuple[Hashable, str, int, bool]] = {}
         self._next_scan = 0.0
         self.scans = 0
         self.scan_errors = 0
+        self.errors = 0  # failures while learning (a bug): counted and logged once, never raised to the spans
+        self.refuted_claims = 0  # resources whose process.pid the socket table contradicted
         self._warned = False
+        self._warned_error = False
 
     # -- learning (hot path: first sight only) ------------------------------------------------------------------
 
-    def learn(self, pid: int, service: str, *, from_resource: bool = True) -> None:
-        if not service or pid <= 0 or (not from_resource and pid in self._from_resource):
+    def learn(self, pid: int, service: str, *, from_resource: bool = False) -> None:
+        """``pid`` serves ``service``: as the socket table says, or (``from_resource``) as a resource claims."""
+        if not service or not 0 < pid <= PID_MAX:
             return
-        if len(self._services) >= MAX_PIDS and pid not in self._services:
-            self._services.clear()
-            self._from_resource.clear()
-        self._services[pid] = service
         if from_resource:
-            self._from_resource.add(pid)
+            if pid in self._services or pid in self._refuted:  # the kernel's word stands
+                return
+            table = self._claims
+        else:
+            table = self._services
+            self._claims.pop(pid, None)
+        if len(table) >= MAX_PIDS and pid not in table:
+            table.clear()
+            if from_resource:
+                self._refuted.clear()
+        table[pid] = service
+
+    def _claim(self, pid: int, service: str) -> None:
+        """A resource's claim, where the socket table cannot say: used if ``pid`` is a process on this host."""
+        if pid and service and service != "unknown" and self._ps.pid_exists(pid):
+            self.learn(pid, service, from_resource=True)
+
+    def _refute(self, pid: int) -> None:
+        self.refuted_claims += 1
+        if len(self._refuted) >= MAX_PIDS:
+            self._refuted.clear()
+        self._refuted.add(pid)
+        self._claims.pop(pid, None)
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """A bug while learning: counted, logged once (with its traceback), and the spans go on."""
+        self.errors += 1
+        if not self._warned_error:
+            self._warned_error = True
+            log.warning("learning which process sends which service failed (%s); the spans are taken all the same",
+                        what, exc_info=exc)
 
     def learn_resource(self, resource: Resource) -> None:
-        """A resource seen for the first time: its ``process.pid`` and ``service.name``, when it has both."""
-        pid, service = 0, ""
-        for kv in resource.attributes:
-            if kv.key == "process.pid":
-                pid = kv.value.int_value or (int(kv.value.string_value) if kv.value.string_value.isdigit() else 0)
-            elif kv.key == "service.name":
-                service = kv.value.string_value
-        self.learn(pid, service)
+        """A resource that came by no connection the socket table could name: its claimed pid, if on the host.
+
+        Never raises (the enricher calls it on a span request's path).
+        """
+        try:
+            self._claim(claimed_pid(resource), resource_service(resource))
+        except Exception as exc:
+            self.failed("a resource", exc)
 
     def knows_peer(self, peer: Hashable) -> bool:
         """Whether this connection was seen before: the one check made on every request."""
         return peer in self._peers
 
-    def note_peer(self, peer: Hashable, service: str) -> None:
-        """The first request of a connection, from ``service``: resolve its process at the next refresh."""
-        if len(self._peers) >= MAX_PEERS:
-            self._peers.clear()
-            self._pending.clear()
-        address = parse_peer(peer)
-        if address is None or not service or service == "unknown":
-            self._peers[peer] = 0
-            return
-        self._peers[peer] = RESOLVE_TRIES
-        self._pending[address] = (peer, service)
+    def note_peer(self, peer: Hashable, service: str, claimed: int = 0) -> None:
+        """The first request of a connection, from ``service`` (whose resource claims pid ``claimed``, or 0):
+        resolve its process at the next refresh. Never raises."""
+        try:
+            if len(self._peers) >= MAX_PEERS:
+                self._peers.clear()
+                self._pending.clear()
+            address = parse_peer(peer)
+            if not service or service == "unknown":
+                self._peers[peer] = 0
+                return
+            if address is None:  # no TCP address (a unix socket): the socket table cannot say; the claim may
+                self._peers[peer] = 0
+                self._claim(claimed, service)
+                return
+            self._peers[peer] = RESOLVE_TRIES
+            self._pending[address] = (peer, service, claimed, False)
+        except Exception as exc:
+            self.failed("a connection", exc)
 
     # -- reading --------------------------------------------------------------------------------------------------
 
     def service_of(self, pid: int) -> str:
-        return self._services.get(pid, "")
+        return self._services.get(pid) or self._claims.get(pid, "")
 
     @property
     def pending(self) -> int:
@@ -134,25 +232,46 @@ class ServiceMap:
             return
         self._next_scan = now + self.rescan_seconds
         wanted = set(self._pending)
-        owners = await asyncio.to_thread(self._owners, wanted)
+        owners: dict[Address, int] | None
+        try:
+            owners = await asyncio.to_thread(self._owners, wanted)
+        except Exception as exc:  # a bug reading it, not a table that cannot be read: claims stay unused
+            self.failed("the socket table", exc)
+            owners = {}
         self.scans += 1
+        try:
+            self._resolve(wanted, owners)
+        except Exception as exc:
+            self.failed("the socket table", exc)
+
+    def _resolve(self, wanted: set[Address], owners: dict[Address, int] | None) -> None:
         for address in wanted:
             entry = self._pending.get(address)
             if entry is None:
                 continue
-            peer, service = entry
-            pid = owners.get(address)
+            peer, service, claimed, table_read = entry
+            pid = owners.get(address) if owners is not None else None
             if pid is not None:
-                self.learn(pid, service, from_resource=False)
+                self.learn(pid, service)
+                if claimed and claimed != pid:
+                    self._refute(claimed)
+                    log.debug("connection %s is pid %d, its resource claims pid %d: not believed", peer, pid,
+                              claimed)
                 log.debug("connection %s is pid %d, service %r", peer, pid, service)
-            elif self._peers.get(peer, 0) > 1:
-                self._peers[peer] -= 1
-                continue
+            else:
+                table_read = table_read or owners is not None
+                if self._peers.get(peer, 0) > 1:
+                    self._peers[peer] -= 1
+                    self._pending[address] = (peer, service, claimed, table_read)
+                    continue
+                if not table_read:  # the socket table could never be read: the claim is all there is
+                    self._claim(claimed, service)
             self._peers[peer] = 0
             del self._pending[address]
 
-    def _owners(self, wanted: set[Address]) -> dict[Address, int]:
-        """The pids owning TCP sockets bound to the ``wanted`` local addresses (runs in a thread)."""
+    def _owners(self, wanted: set[Address]) -> dict[Address, int] | None:
+        """The pids owning TCP sockets bound to the ``wanted`` local addresses (runs in a thread); None when the
+        socket table cannot be read."""
         try:
             connections = self._ps.net_connections(kind="tcp")
         except Exception as exc:  # AccessDenied off Linux, a /proc race: try again at the next rescan
@@ -161,7 +280,7 @@ class ServiceMap:
                 self._warned = True
                 log.warning("cannot read the host's TCP sockets to tell which process sends which spans (%s); "
                             "profiles carry service.name only for senders that set process.pid", exc)
-            return {}
+            return None
         owners: dict[Address, int] = {}
         for conn in connections:
             if conn.pid and conn.laddr:

@@ -144,6 +144,13 @@ class AgentMetrics(Collector):
         yield failures
         yield CounterMetricFamily("spikehound_agent_profiler_cpu_seconds", "CPU time (user and system) of the "
                                   "agent's py-spy children.", value=p.children_cpu_seconds if p is not None else 0)
+        services = p.services if p is not None else None
+        yield CounterMetricFamily("spikehound_agent_service_map_errors", "Failures (bugs) while learning which "
+                                  "process sends which service: counted, the spans taken all the same.",
+                                  value=services.errors if services is not None else 0)
+        yield CounterMetricFamily("spikehound_agent_service_map_refuted_claims", "Connections whose resource "
+                                  "claimed a process.pid other than the one the socket table names: not believed.",
+                                  value=services.refuted_claims if services is not None else 0)
 
 
 def registry_for(metrics: AgentMetrics) -> CollectorRegistry:

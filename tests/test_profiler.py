@@ -24,11 +24,14 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import psutil
 import pytest
 from opentelemetry.proto.collector.profiles.v1development import profiles_service_pb2, profiles_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from agent.enrich import Enricher
 from agent.forward_queue import ForwardQueue
@@ -37,7 +40,7 @@ from agent.otlp_grpc import start_grpc
 from agent.otlp_http import http_app
 from agent.profiler import MAX_STACKS, OTHER_STACKS, Profiler, bounded, find_py_spy, parse_folded
 from agent.runtime import run as run_loop  # uvloop, as the agent runs
-from agent.services import ServiceMap
+from agent.services import PID_MAX, RESOLVE_TRIES, ServiceMap, claimed_pid
 from agent.spool import DiskSpool, Item, Signal
 from harness.daemons import AgentProcess
 from harness.ports import free_port
@@ -117,6 +120,21 @@ def test_py_spy_raw_output_becomes_root_first_stacks_with_counts():
     assert sum(stacks.values()) == 57 + 12 + 9 + 4 + 3 + 2 + 1  # the line that is no stack is left out
 
 
+def test_a_count_that_is_no_ascii_number_or_a_name_split_over_two_lines_is_skipped_not_raised():
+    # "²" passes str.isdigit() but not int(); py-spy prints a function name with a newline as it is.
+    raw = ("main (a.py:1);x \u00b2\nY (a.py:2) 7\n"  # one stack split by a newline in a function's name
+           "main (a.py:1);ok (a.py:3) 40\n"
+           "main (a.py:1);f (a.py:4) \u0663\n"  # an Arabic-Indic 3: a digit to isdigit() and int(), not to py-spy
+           "main (a.py:1);g (a.py:5) 4\u00b2\n"
+           f"main (a.py:1);h (a.py:6) {'9' * 5000}\n"  # past int()'s 4,300 digits
+           f"main (a.py:1);i (a.py:{'7' * 5000}) 2\n")  # a line number no file has: a frame without a location
+    stacks = parse_folded(raw)
+    assert stacks[(("main", "a.py", 1), ("ok", "a.py", 3))] == 40
+    assert stacks[(("Y", "a.py", 2),)] == 7  # the second half reads as the stack it looks like
+    assert sum(stacks.values()) == 40 + 7 + 2
+    assert not any(frame[0].startswith(("x ", "f ", "g ", "h ")) for stack in stacks for frame in stack)
+
+
 def test_a_process_window_keeps_at_most_max_stacks_and_counts_the_rest_as_other():
     many = {((f"f{i}", "a.py", i),): 1000 - i for i in range(MAX_STACKS + 500)}
     kept, folded = bounded(many, MAX_STACKS)
@@ -155,6 +173,58 @@ def test_a_window_larger_than_the_collector_takes_is_split_into_requests_that_fi
 
 
 # --- failures ---------------------------------------------------------------------------------------------------
+
+
+INNOCENT, ODD = 4001, 4002  # the stand-in py-spy attaches to nothing: any pids do
+
+
+def test_one_processs_odd_output_does_not_cost_another_process_its_window(tmp_path, queue):
+    # The adversary's case: a process naming a function "x \u00b2\nY" profiled beside an innocent one.
+    fake = write_fake_py_spy(tmp_path / "py-spy", f"""\
+        odd = 'main (a.py:1);x \\u00b2\\nY (a.py:2) 7\\n'
+        open(output, 'w').write(odd if pid == {ODD} else 'main (b.py:1);serve (b.py:2) 30\\n')
+        """)
+    profiler = Profiler(lambda: {INNOCENT: "python3", ODD: "python3"}, queue, "gpu-1", py_spy=fake,
+                        window_seconds=1)
+    stacks = run_loop(profiler.window())
+    assert {s.pid: s.samples for s in stacks} == {INNOCENT: 30, ODD: 7}
+    assert profiler.stats.windows == 1 and not profiler.stats.failures
+
+
+def test_a_process_whose_output_cannot_be_read_or_encoded_loses_its_own_window_only(tmp_path, queue, monkeypatch,
+                                                                                    caplog):
+    import agent.profiler as profiler_module
+
+    fake = write_fake_py_spy(tmp_path / "py-spy", f"""\
+        open(output, 'w').write('main (a.py:1);' + ('bad' if pid == {ODD} else 'good') + ' (a.py:2) 5\\n')
+        """)
+    real_parse, real_encode = profiler_module.parse_folded, profiler_module.encode_profiles
+
+    def parse(text):  # a bug yet unknown in reading one process's output
+        if "bad" in text:
+            raise ValueError("unreadable")
+        return real_parse(text)
+
+    profiler = Profiler(lambda: {INNOCENT: "python3", ODD: "python3"}, queue, "gpu-1", py_spy=fake,
+                        window_seconds=1)
+    monkeypatch.setattr(profiler_module, "parse_folded", parse)
+    with caplog.at_level(logging.WARNING, logger="spikehound.agent.profiler"):
+        stacks = run_loop(profiler.window())
+    assert [s.pid for s in stacks] == [INNOCENT] and [s.pid for s in queued_stacks(queue)] == [INNOCENT]
+    assert profiler.stats.failures == {"error": 1} and profiler.stats.windows == 1
+    assert any(str(ODD) in r.message and "unreadable" in r.message for r in caplog.records)
+
+    def encode(stacks):  # stacks the encoding refuses (a count past int64, say)
+        stacks = list(stacks)
+        if any(s.pid == ODD for s in stacks):
+            raise ValueError("Value out of range")
+        return real_encode(stacks)
+
+    monkeypatch.setattr(profiler_module, "parse_folded", real_parse)
+    monkeypatch.setattr(profiler_module, "encode_profiles", encode)
+    stacks = run_loop(profiler.window())
+    assert [s.pid for s in stacks] == [INNOCENT] and [s.pid for s in queued_stacks(queue)] == [INNOCENT]
+    assert profiler.stats.failures == {"error": 2} and profiler.stats.windows == 2
 
 
 def test_a_refused_ptrace_warns_once_with_the_fix_and_sets_the_process_aside(tmp_path, queue, caplog):
@@ -430,16 +500,104 @@ def test_the_agent_learns_which_service_a_process_serves_from_its_grpc_and_http_
     assert services.scans == 1
 
 
-def test_a_resource_naming_its_pid_maps_it_without_looking_at_connections(queue):
-    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-
-    services = ServiceMap()
+def pid_resource(service: str, pid: object) -> Resource:
     resource = Resource()
-    resource.attributes.add(key="service.name").value.string_value = "tokenizer"
-    resource.attributes.add(key="process.pid").value.int_value = 4321
-    services.learn_resource(resource)
-    services.learn(4321, "from-a-connection", from_resource=False)  # the resource's word wins
-    assert services.service_of(4321) == "tokenizer" and services.service_of(1) == ""
+    resource.attributes.add(key="service.name").value.string_value = service
+    if isinstance(pid, int):
+        resource.attributes.add(key="process.pid").value.int_value = pid
+    elif isinstance(pid, str):
+        resource.attributes.add(key="process.pid").value.string_value = pid
+    elif isinstance(pid, float):
+        resource.attributes.add(key="process.pid").value.double_value = pid
+    return resource
+
+
+def test_a_resources_process_pid_is_an_int_or_ascii_digits_in_range_and_anything_else_is_no_claim():
+    assert claimed_pid(pid_resource("s", 4321)) == 4321 and claimed_pid(pid_resource("s", "4321")) == 4321
+    for odd in ("\u00b2", "\u0663", "-5", " 12", "12a", "", "9" * 5000, 0, -1, 1 << 40, PID_MAX + 1, 12.0, None):
+        assert claimed_pid(pid_resource("s", odd)) == 0, odd
+
+
+def span_request(service: str, pid: object) -> bytes:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.CopyFrom(pid_resource(service, pid))
+    rs.scope_spans.add().spans.add(name="op", trace_id=b"\x01" * 16, span_id=b"\x02" * 8, start_time_unix_nano=1,
+                                  end_time_unix_nano=2)
+    return req.SerializeToString()
+
+
+def test_a_process_pid_no_int_takes_never_refuses_the_senders_spans(queue, monkeypatch):
+    # "²" passed str.isdigit() and made int() raise in the enricher: every span request of the sender failed.
+    services = ServiceMap()
+    intake = Intake(Enricher({"host.name": "h"}, on_resource=services.learn_resource), queue, services=services)
+    for n in range(2):
+        assert intake.accept(Signal.TRACES, span_request("svc", "\u00b2"), "grpc",
+                             peer=f"ipv4:127.0.0.1:{40000 + n}").queued == 1
+    # A bug anywhere in learning a service is counted, and the spans are taken all the same.
+    monkeypatch.setattr(services, "note_peer", lambda *a: 1 / 0)
+    monkeypatch.setattr(services, "_claim", lambda *a: 1 / 0)
+    assert intake.accept(Signal.TRACES, span_request("svc2", 7), "grpc", peer="ipv4:127.0.0.1:40009").queued == 1
+    assert services.errors == 2 and len(queued(queue)) == 3
+
+
+class SocketTable:
+    """A stand-in for psutil: the TCP sockets of the host (local address -> owner), the pids that exist."""
+
+    def __init__(self, owners: dict[tuple[str, int], int], pids: set[int], readable: bool = True) -> None:
+        self.owners, self.pids, self.readable = owners, pids, readable
+
+    def net_connections(self, kind: str) -> list[SimpleNamespace]:
+        if not self.readable:
+            raise psutil.AccessDenied()
+        return [SimpleNamespace(laddr=address, raddr=(), status="ESTABLISHED", pid=pid)
+                for address, pid in self.owners.items()]
+
+    def pid_exists(self, pid: int) -> bool:
+        return pid in self.pids
+
+
+def test_the_socket_table_wins_over_a_pid_the_resource_claims():
+    sender, other = 5001, 5002
+    table = SocketTable({("127.0.0.1", 41000): sender, ("127.0.0.1", 41001): other}, {sender, other, 1})
+    services = ServiceMap(table)
+    # A sender whose resource claims pid 1 (forged, or its pid inside a container): the kernel names it.
+    services.note_peer("ipv4:127.0.0.1:41000", "evil", 1)
+    services.note_peer("ipv4:127.0.0.1:41001", "real", other)  # a claim the socket table bears out
+    run_loop(services.refresh())
+    assert (services.service_of(sender), services.service_of(other), services.service_of(1)) == ("evil", "real", "")
+    assert services.refuted_claims == 1
+    # Later claims, by connection or without one, neither override the kernel's word nor revive a refuted pid.
+    services.learn_resource(pid_resource("forged", other))
+    services.learn_resource(pid_resource("forged", 1))
+    services.note_peer("unix:/run/otlp.sock", "forged", other)
+    assert (services.service_of(other), services.service_of(1)) == ("real", "")
+
+
+def test_a_claimed_pid_is_used_only_where_the_socket_table_cannot_say():
+    here, elsewhere = 6001, 6002  # pids on this host; 6003 is none
+    services = ServiceMap(SocketTable({}, {here, elsewhere}, readable=False), rescan_seconds=0)
+    services.note_peer("ipv4:127.0.0.1:42000", "unreadable-table", here)
+    services.note_peer("unix:/run/otlp.sock", "unix-socket", elsewhere)  # no address to look up: at once
+    services.note_peer("ipv4:127.0.0.1:42001", "no-such-pid", 6003)
+    assert services.service_of(elsewhere) == "unix-socket" and services.service_of(here) == ""
+    for _ in range(RESOLVE_TRIES):
+        run_loop(services.refresh(force=True))
+    assert services.service_of(here) == "unreadable-table" and services.service_of(6003) == ""
+    assert services.pending == 0
+
+    # A table that can be read and does not show the connection (closed, or from another host): no claim.
+    readable = ServiceMap(SocketTable({}, {here}), rescan_seconds=0)
+    readable.note_peer("ipv4:10.0.0.7:42002", "remote", here)
+    for _ in range(RESOLVE_TRIES):
+        run_loop(readable.refresh(force=True))
+    assert readable.service_of(here) == "" and readable.pending == 0
+    # A resource that came by no connection at all: its claim, if the pid is on the host.
+    readable.learn_resource(pid_resource("tokenizer", here))
+    readable.learn_resource(pid_resource("ghost", 6003))
+    assert readable.service_of(here) == "tokenizer" and readable.service_of(6003) == ""
+    readable.learn(here, "from-a-connection")  # then the socket table names it: the kernel's word wins
+    assert readable.service_of(here) == "from-a-connection"
 
 
 # --- the agent forwards profiles, spooling them while the collector is away ---------------------------------------
