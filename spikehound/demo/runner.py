@@ -377,8 +377,8 @@ def _report(con: Console, stack: Stack, findings: Sequence[Finding], keep: bool 
 
 
 def profile_line(api: str, spike_id: str) -> str | None:
-    """What the spike's profile diff puts first (docs/profile-diff.md): the culprit when one is clear, else the
-    function whose share grew most, and why it is not called a culprit; None without profiles."""
+    """What the spike's profile diff says (docs/profile-diff.md): its culprit when one is clear, else the top
+    change of the top cause's process and why it is no culprit; None without profiles."""
     try:
         answer = http_json(f"{api}/api/v1/spikes/{spike_id}/profile?limit=1")
     except (OSError, ValueError):
