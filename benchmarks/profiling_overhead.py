@@ -132,7 +132,7 @@ class Config:
     parse_ms: list[float] = field(default_factory=list)
 
 
-def window(target: CpuBurner, control: CpuBurner, config: Config, seconds: int, report_every: float) -> None:
+def window(target: CpuBurner, control: CpuBurner, config: Config, seconds: int) -> None:
     """Measure one window of ``config``: ``target`` profiled (unless it is the reference), ``control`` beside it."""
     t0 = time.monotonic()
     if config.rate is None:
@@ -154,7 +154,8 @@ def window(target: CpuBurner, control: CpuBurner, config: Config, seconds: int, 
         config.steady_percent.append(100 * steady)
         config.startup_ms.append(1000 * max(0.0, cpu_short - steady * wall_short))
     t1 = time.monotonic()
-    time.sleep(2 * report_every)  # the progress lines after t1 have arrived
+    target.wait_past(t1)  # the progress lines after t1 have arrived
+    control.wait_past(t1)
     config.profiled.append(target.throughput(t0, t1))
     config.control.append(control.throughput(t0, t1))
     config.pair_ratios.append(config.profiled[-1].per_cpu_second / config.control[-1].per_cpu_second)
@@ -191,7 +192,7 @@ def main() -> int:
         for r in range(args.rounds):
             target, control = (a, b) if r % 2 == 0 else (b, a)
             for config in configs[r % len(configs):] + configs[:r % len(configs)]:  # the order rotates
-                window(target, control, config, args.seconds, report_every)
+                window(target, control, config, args.seconds)
             reference = configs[0]
             for config in configs[1:]:
                 config.ratios.append(config.pair_ratios[-1] / reference.pair_ratios[-1])

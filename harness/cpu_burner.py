@@ -108,9 +108,8 @@ class CpuBurner:
         self.proc: subprocess.Popen[str] | None = None
         self._times: list[float] = []  # the child's monotonic time of each line
         self._rows: list[tuple[int, float]] = []  # (iterations, cpu seconds) of each line
-        self._lock = threading.Lock()
+        self._lines = threading.Condition()  # guards _times and _rows; notified at every line
         self._reader: threading.Thread | None = None
-        self._first_line = threading.Event()
 
     @property
     def pid(self) -> int:
@@ -121,29 +120,35 @@ class CpuBurner:
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, bufsize=1)
         self._reader = threading.Thread(target=self._read, name="cpu-burner-reader", daemon=True)
         self._reader.start()
-        if not self._first_line.wait(timeout):
+        if not self.wait_past(0.0, timeout):
             self.close()
             raise RuntimeError(f"the CPU burner printed no progress within {timeout} s")
         return self
+
+    def wait_past(self, t: float, timeout: float = 30.0) -> bool:
+        """Wait until a progress line dated at or after monotonic time ``t`` has arrived (False on timeout):
+        then ``throughput(..., t)`` is read off lines on both sides of ``t``, however loaded the machine."""
+        with self._lines:
+            return self._lines.wait_for(lambda: bool(self._times) and self._times[-1] >= t, timeout)
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             parts = line.split()
             if len(parts) == 4 and parts[0] == "progress":
-                with self._lock:
+                with self._lines:
                     self._times.append(float(parts[3]))
                     self._rows.append((int(parts[1]), float(parts[2])))
-                self._first_line.set()
+                    self._lines.notify_all()
 
     def _at(self, t: float) -> tuple[float, int, float]:
         """The last progress line at or before monotonic time ``t`` (the first one if none)."""
-        with self._lock:
+        with self._lines:
             i = max(0, bisect.bisect_right(self._times, t) - 1)
             return self._times[i], *self._rows[i]
 
     def throughput(self, t0: float, t1: float) -> Throughput:
-        """The burner's rate between two monotonic times (call once ``t1`` has passed by a report interval)."""
+        """The burner's rate between two monotonic times (call once ``wait_past(t1)`` returned)."""
         w0, n0, c0 = self._at(t0)
         w1, n1, c1 = self._at(t1)
         if w1 <= w0 or c1 <= c0:

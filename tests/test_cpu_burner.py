@@ -16,9 +16,8 @@ def test_the_hot_function_can_be_renamed_and_computes_the_same():
 def test_the_burner_reports_its_progress_and_its_own_cpu_time():
     with CpuBurner("burn_cpu_for_test", depth=10, report_every=0.05) as burner:
         t0 = time.monotonic()
-        time.sleep(1.0)
-        t1 = time.monotonic()
-        time.sleep(0.2)  # the progress line after t1
+        t1 = t0 + 1.0
+        assert burner.wait_past(t1 + 0.05)  # lines on both sides of t1, however late the child gets a CPU
         rate = burner.throughput(t0, t1)
         assert burner.proc is not None and burner.proc.poll() is None
     assert burner.proc.returncode is not None  # stopped on leaving the block
