@@ -13,11 +13,10 @@ configuration alike.
     iterations per wall second are shown too. Target: under 2 % at 19 Hz.
 (b) **The profiler's own cost**: CPU seconds of the py-spy process (its rusage, from ``os.wait4``) per
     wall second, as % of one core, for one profiled process; start-up included, as each window is one
-    py-spy run. Target: under 1 % at 19 Hz. Plus the time to parse a window's raw (folded) output into
-    counts per stack.
+    py-spy run. Target: under 1 % at 19 Hz. Plus the time the agent's parser (``agent.profiler.parse_folded``)
+    takes over a window's raw (folded) output.
 
-``profile_once(pid, seconds, rate) -> (raw_text, cpu_seconds)`` is the profiler measured; the agent's
-own profiler class can be put behind that signature in its place.
+``profile_once(pid, seconds, rate, flags)`` runs py-spy as the agent does (its executable and thread flags).
 
 Measured on the shared 2-core reference machine (a virtual machine, load average 8 from other work;
 py-spy 0.4.3, 30 frames, 32 idle threads): no slowdown of the profiled process could be told from noise
@@ -35,38 +34,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.profiler import THREAD_FLAGS, find_py_spy, parse_folded
 from harness.cpu_burner import CpuBurner, Throughput
 
 # (label, Hz, py-spy's thread flags): the agent's default (agent.profile_threads = "gil"), py-spy reading every
 # thread each sample ("cpu"), and the default at py-spy's own rate to show the trend.
-PROFILERS = (("py-spy 19 Hz --gil (default)", 19, ("--gil",)), ("py-spy 19 Hz, every thread", 19, ()),
-             ("py-spy 100 Hz --gil", 100, ("--gil",)))
+PROFILERS = (("py-spy 19 Hz --gil (default)", 19, tuple(THREAD_FLAGS["gil"])),
+             ("py-spy 19 Hz, every thread", 19, tuple(THREAD_FLAGS["cpu"])),
+             ("py-spy 100 Hz --gil", 100, tuple(THREAD_FLAGS["gil"])))
 FUNCTION = "burn_cpu"
 DEPTH = 30
 IDLE_THREADS = 32  # a server's pool of threads waiting for work
 
 
-def py_spy() -> str | None:
-    """py-spy from this interpreter's environment, else from PATH."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.is_file() else shutil.which("py-spy")
-
-
 def profile_once(pid: int, seconds: int, rate: int, flags: tuple[str, ...] = ("--gil",)) -> tuple[str, float]:
     """Sample ``pid`` for ``seconds`` at ``rate`` Hz with py-spy (``flags``: which threads, as the agent passes
     them); its raw folded output and the CPU it used."""
-    exe = py_spy()
+    exe = find_py_spy()
     if exe is None:
         raise RuntimeError("py-spy not found (pip install py-spy)")
     with tempfile.TemporaryDirectory(prefix="spikehound-pyspy-") as work:
@@ -82,20 +75,6 @@ def profile_once(pid: int, seconds: int, rate: int, flags: tuple[str, ...] = ("-
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"py-spy failed ({proc.returncode}): {errors.decode(errors='replace')[-2000:]}")
         return out.read_text(), usage.ru_utime + usage.ru_stime
-
-
-def parse_folded(raw: str) -> Counter[tuple[str, ...]]:
-    """Folded stacks (``root;...;leaf COUNT`` per line) into counts per stack, root first.
-
-    >>> parse_folded("main (a.py:1);burn_cpu (a.py:9) 5\\nmain (a.py:1) 2\\n")[("main (a.py:1)", "burn_cpu (a.py:9)")]
-    5
-    """
-    counts: Counter[tuple[str, ...]] = Counter()
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            counts[tuple(stack.split(";"))] += int(count)
-    return counts
 
 
 def parse_seconds(raw: str) -> float:
@@ -143,8 +122,7 @@ def window(target: CpuBurner, control: CpuBurner, config: Config, seconds: int) 
         config.profiler_cpu_percent.append(100 * cpu / wall)
         counts = parse_folded(raw)
         config.samples.append(sum(counts.values()))
-        config.in_function.append(sum(n for stack, n in counts.items()
-                                      if any(frame.startswith(f"{FUNCTION} ") for frame in stack)))
+        config.in_function.append(sum(n for stack, n in counts.items() if any(f[0] == FUNCTION for f in stack)))
         config.parse_ms.append(1000 * parse_seconds(raw))
         # A one-second run beside it splits the profiler's CPU into start-up and steady sampling.
         t_short = time.monotonic()
@@ -177,7 +155,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.long:
         args.seconds, args.rounds = 20, 8
-    if py_spy() is None:
+    if find_py_spy() is None:
         print("py-spy not found (pip install py-spy): nothing measured")
         return 0
 

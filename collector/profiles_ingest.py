@@ -25,18 +25,15 @@ from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 i
 from collector.ingest import Accepted, Admission, HeldUntilDone, Ingest, InvalidPayload, Overloaded, Unavailable
 from collector.storage_unavailable import StorageUnavailable
 from spikehound.model import ProfileStack
-from spikehound.otlp import MAX_TIME_NS, attributes
 from spikehound.otlp_profiles import (
     DecodedProfiles,
     decode_profiles,
     parse_profiles_request,
-    profile_samples,
     stacks_of_samples,
 )
 
 SIGNAL = "profiles"
 MAX_REQUESTS_IN_FLIGHT = 8  # profile writes queue on the one writer thread, between the span commits
-MAX_SAMPLES = 2**31 - 1  # profile_samples.samples is a 32-bit integer on PostgreSQL
 
 # Runs ``fn(*args)`` in its own transaction on the writer thread; StorageUnavailable when it failed.
 WriteAside = Callable[..., Awaitable[Any]]
@@ -115,9 +112,7 @@ class ProfileIngest:
         limits = self.ingest.limits
         not_after = self.ingest.not_after_ns() if not_after is None else not_after
         decoded = decode_profiles(request, limits=limits, not_after_ns=not_after)
-        future = _future_senders(request, not_after, limits.resource_name) if decoded.future else {}
-        _bound(decoded)
-        return decoded, future
+        return decoded, decoded.future
 
     async def submit(self, decoded: DecodedProfiles, protocol: str, admission: Admission,
                      in_flight: InFlight) -> Accepted:
@@ -153,38 +148,6 @@ class ProfileIngest:
         t.stored.labels(SIGNAL).inc(accepted)
         message = "; ".join(m for m in (decoded.error_message, self.ingest.truncation_note(decoded.truncated)) if m)
         return Accepted(decoded.rejected, message)
-
-
-def _bound(decoded: DecodedProfiles) -> None:
-    """Refuse what storage cannot take: counts past its integer (the stacks past one write's rows were refused
-    while decoding, ``MAX_STACKS_PER_REQUEST``)."""
-    kept: list[ProfileStack] = []
-    for stack in decoded.stacks:
-        if stack.samples > MAX_SAMPLES:
-            decoded.reject(f"profile of pid {stack.pid} on {stack.host}: a stack counts {stack.samples} samples, "
-                           f"more than {MAX_SAMPLES}", stack.samples)
-        else:
-            kept.append(stack)
-    decoded.stacks = kept
-
-
-def _future_senders(request: ExportProfilesServiceRequest, not_after_ns: int,
-                    name_limit: int) -> dict[tuple[str, str], int]:
-    """Samples of profiles dated after ``not_after_ns``, by (service, host) of their resource, as the decoder
-    refuses them, for the wrong-clock counter; walked only when the decoder found some."""
-    found: dict[tuple[str, str], int] = {}
-    for rp in request.resource_profiles:
-        resource = attributes(rp.resource.attributes)
-        service, host = resource.get("service.name"), resource.get("host.name")
-        if not isinstance(host, str) or not host:
-            continue  # refused for having no host, not for its clock
-        key = ((service if isinstance(service, str) else "")[:name_limit], host[:name_limit])
-        for sp in rp.scope_profiles:
-            for profile in sp.profiles:
-                end = profile.time_unix_nano + profile.duration_nano
-                if profile.time_unix_nano and profile.duration_nano > 0 and not_after_ns < end <= MAX_TIME_NS:
-                    found[key] = min(2**63 - 1, found.get(key, 0) + profile_samples(profile))
-    return found
 
 
 def _retrieve(write: asyncio.Future[Any]) -> None:

@@ -41,6 +41,7 @@ MAX_STACKS_PER_REQUEST = 10_000  # rows of one write: a profiler sends a few hun
 # request to tens of MB written (against 2 GB for a 1.6 MB request of 256-frame stacks of 2 KB names).
 MAX_FRAME_CHARS_PER_REQUEST = 8 << 20
 FRAME_OVERHEAD = 16  # a frame's JSON besides its names: brackets, quotes, the line number
+MAX_STACK_SAMPLES = 2**31 - 1  # one stack's samples in one profile: a 32-bit integer column on PostgreSQL
 MAX_COUNT = 2**63 - 1  # counts saturate here: the largest an OTLP int64 (rejected_profiles) holds
 MIN_TIME_NS = 946_684_800 * 10**9  # 2000-01-01: a profile dated before is from a clock that was never set
 SCOPE_NAME = "spikehound.agent.profiler"
@@ -55,7 +56,8 @@ class DecodedProfiles:
     rejected: int = 0  # samples refused
     errors: list[str] = field(default_factory=list)
     truncated: dict[str, int] = field(default_factory=dict)  # what was cut: frames, function_name, ...
-    future: int = 0  # samples refused for being dated after the receiver's clock plus the allowed skew
+    # Samples refused for being dated after the receiver's clock plus the allowed skew, by (service, host).
+    future: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def reject(self, message: str, samples: int = 1) -> None:
         self.rejected = min(MAX_COUNT, self.rejected + max(0, samples))
@@ -231,7 +233,7 @@ def _decode_profile(out: DecodedProfiles, profile: profiles_pb2.Profile, d: prof
     if start + duration > not_after_ns:
         total = profile_samples(profile)
         out.reject(f"profile of pid {pid} on {host}: dated after the collector's clock plus the allowed skew", total)
-        out.future = min(MAX_COUNT, out.future + total)
+        out.future[(service, host)] = min(MAX_COUNT, out.future.get((service, host), 0) + total)
         return
     if start < MIN_TIME_NS:
         out.reject(f"profile of pid {pid} on {host}: dated {start} ns, before 2000-01-01: the sender's clock is "
@@ -276,6 +278,10 @@ def _decode_profile(out: DecodedProfiles, profile: profiles_pb2.Profile, d: prof
         counts[frames] = min(MAX_COUNT, counts[frames] + count)
     period = profile.period if profile.period > 0 else DEFAULT_PERIOD_NS
     for frames, count in counts.items():
+        if count > MAX_STACK_SAMPLES:
+            out.reject(f"profile of pid {pid} on {host}: a stack counts {count} samples, more than "
+                       f"{MAX_STACK_SAMPLES}", count)
+            continue
         out.stacks.append(ProfileStack(host=host, service=service, pid=pid, process=process, start_unix_nano=start,
                                        end_unix_nano=start + duration, frames=frames, samples=count, kind=kind,
                                        period_ns=period))
