@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import ExportProfilesServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from collector.ingest import Ingest, InvalidPayload, Overloaded, Unavailable
+from collector.ingest import Accepted, Admission, Ingest, InvalidPayload, Overloaded, Unavailable
 from collector.profiles_ingest import ProfileIngest
 from collector.rest.auth import bearer_ok
 from spikehound.config import HostPort
@@ -52,81 +52,66 @@ class _Export:
         self.parse, self.decode, self.response, self.rejected_field = parse, decode, response, rejected_field
 
     async def export(self, body: bytes, context: grpc.aio.ServicerContext) -> Message:
-        # Refusals set the status and return instead of context.abort(): abort raises, and the exception's
-        # traceback holds this frame, whose ``body`` (up to max_request_bytes) then lives until the cyclic
-        # garbage collector runs, which the collector's thresholds make rare: a flood of refused 16 MB exports
-        # during an outage grew memory by gigabytes.
-        counted = self.ingest.telemetry.rejected_requests
-        if not _authorized(context, self.token):
-            counted.labels("grpc", "unauthenticated").inc()
-            return self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        # The body's bytes are held from before decoding (which takes about twice as much again) to the answer.
-        with self.ingest.admission("grpc") as admission:
-            try:
-                self.ingest.check_storage("grpc")
-                admission.need(len(body))
-                request = self.parse(body)
-                self.ingest.check_room(self.signal, count_items(request))
-                decoded = self.decode(request, body, limits=self.ingest.limits, not_after_ns=self.ingest.not_after_ns())
-                accepted = await self.ingest.submit(decoded, self.signal, "grpc", admission)
-            except PayloadError as exc:
-                counted.labels("grpc", "bad_payload").inc()
-                return self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except InvalidPayload as exc:
-                return self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except Overloaded as exc:
-                return self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
-            except Unavailable as exc:
-                return self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after)
-        response = self.response()
-        if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
-            setattr(response.partial_success, self.rejected_field, accepted.rejected)  # type: ignore[attr-defined]
-            response.partial_success.error_message = accepted.message  # type: ignore[attr-defined]
-        return response
+        async def take(admission: Admission) -> Accepted:
+            admission.need(len(body))
+            request = self.parse(body)
+            self.ingest.check_room(self.signal, count_items(request))
+            decoded = self.decode(request, body, limits=self.ingest.limits, not_after_ns=self.ingest.not_after_ns())
+            return await self.ingest.submit(decoded, self.signal, "grpc", admission)
 
-    def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                retry_after: int | None = None) -> Message:
-        return _refuse(context, code, message, retry_after, self.response())
+        return await _answer(self.ingest, self.token, context, self.response, self.rejected_field, take)
 
 
 class _ProfilesExport:
     """ProfilesService's Export: admitted like the others, then written on its own (collector/profiles_ingest.py)."""
 
     def __init__(self, profiles: ProfileIngest, token: str) -> None:
-        self.profiles, self.ingest, self.token = profiles, profiles.ingest, token
+        self.profiles, self.token = profiles, token
 
     async def export(self, body: bytes, context: grpc.aio.ServicerContext) -> Message:
-        # As _Export.export: refusals return rather than abort (the body would outlive the call).
-        counted = self.ingest.telemetry.rejected_requests
-        if not _authorized(context, self.token):
-            counted.labels("grpc", "unauthenticated").inc()
-            return _refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token", None,
-                           ExportProfilesServiceResponse())
-        with self.ingest.admission("grpc") as admission:
-            try:
-                self.ingest.check_storage("grpc")
-                with self.profiles.admit("grpc") as in_flight:
-                    admission.need(len(body))
-                    decoded = await self.profiles.decode_body(body, admission, in_flight)  # on a worker thread
-                    accepted = await self.profiles.submit(decoded, "grpc", admission, in_flight)
-            except PayloadError as exc:
-                counted.labels("grpc", "bad_payload").inc()
-                return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), None,
-                               ExportProfilesServiceResponse())
-            except InvalidPayload as exc:
-                return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), None,
-                               ExportProfilesServiceResponse())
-            except Overloaded as exc:
-                return _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after,
-                               ExportProfilesServiceResponse())
-            except Unavailable as exc:
-                return _refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after,
-                               ExportProfilesServiceResponse())
-        response = ExportProfilesServiceResponse()
-        if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
-            response.partial_success.rejected_profiles = accepted.rejected  # samples, as the HTTP answer says
-            response.partial_success.error_message = accepted.message
-        return response
+        async def take(admission: Admission) -> Accepted:
+            with self.profiles.admit("grpc") as in_flight:
+                admission.need(len(body))
+                decoded = await self.profiles.decode_body(body, admission, in_flight)  # on a worker thread
+                return await self.profiles.submit(decoded, "grpc", admission, in_flight)
+
+        # rejected_profiles counts samples, as the HTTP answer says
+        return await _answer(self.profiles.ingest, self.token, context, ExportProfilesServiceResponse,
+                             "rejected_profiles", take)
+
+
+async def _answer(ingest: Ingest, token: str, context: grpc.aio.ServicerContext, response_type: type[Message],
+                  rejected_field: str, take: Callable[[Admission], Awaitable[Accepted]]) -> Message:
+    """What every Export does around ``take`` (which decodes and stores a request with its bytes held): the
+    token, the storage check, the byte budget, refusals as statuses, partial success."""
+    # Refusals set the status and return instead of context.abort(): abort raises, and the exception's
+    # traceback holds the caller's frame, whose ``body`` (up to max_request_bytes) then lives until the cyclic
+    # garbage collector runs, which the collector's thresholds make rare: a flood of refused 16 MB exports
+    # during an outage grew memory by gigabytes.
+    counted = ingest.telemetry.rejected_requests
+    if not _authorized(context, token):
+        counted.labels("grpc", "unauthenticated").inc()
+        return _refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token", None,
+                       response_type())
+    # The body's bytes are held from before decoding (which takes about twice as much again) to the answer.
+    with ingest.admission("grpc") as admission:
+        try:
+            ingest.check_storage("grpc")
+            accepted = await take(admission)
+        except PayloadError as exc:
+            counted.labels("grpc", "bad_payload").inc()
+            return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), None, response_type())
+        except InvalidPayload as exc:
+            return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), None, response_type())
+        except Overloaded as exc:
+            return _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after, response_type())
+        except Unavailable as exc:
+            return _refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc), exc.retry_after, response_type())
+    response = response_type()
+    if accepted.rejected or accepted.message:  # a message alone is a warning: values were cut to the limits
+        setattr(response.partial_success, rejected_field, accepted.rejected)  # type: ignore[attr-defined]
+        response.partial_success.error_message = accepted.message  # type: ignore[attr-defined]
+    return response
 
 
 def _authorized(context: grpc.aio.ServicerContext, token: str) -> bool:

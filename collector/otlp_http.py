@@ -154,24 +154,14 @@ class HttpReceiver:
         with self.ingest.admission("http") as admission:
             try:
                 self.ingest.check_storage("http")
-                admission.need(request.content_length or 0)
-            except Overloaded as exc:
-                response = status_response(429, str(exc), as_json, retry_after=exc.retry_after)
+                body = await self._body(request, framing, admission)
+            except (Overloaded, Unavailable) as exc:
+                response = status_response(429 if isinstance(exc, Overloaded) else 503, str(exc), as_json,
+                                           retry_after=exc.retry_after)
                 response.force_close()  # the unread body is not worth keeping the connection for
                 return response
-            except Unavailable as exc:
-                response = status_response(503, str(exc), as_json, retry_after=exc.retry_after)
-                response.force_close()
-                return response
-            try:
-                body = await read_body(request, framing, self.max_request_bytes)
-            except Refused as refused:
-                if refused.reason == "aborted":  # no traceback: a sender that timed out or was killed
-                    self.ingest.telemetry.aborted_requests.labels("http").inc()
-                    log.debug("OTLP/HTTP sender %s hung up mid-upload", request.remote)
-                else:
-                    counted.labels("http", refused.reason).inc()
-                return refused.response
+            if isinstance(body, web.StreamResponse):
+                return body
             try:
                 admission.need(len(body))
                 request_message = parse(body, json=as_json)
