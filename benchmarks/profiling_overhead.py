@@ -18,15 +18,15 @@ configuration alike.
 
 ``profile_once(pid, seconds, rate, flags)`` runs py-spy as the agent does (its executable and thread flags).
 
-Measured on the shared 2-core reference machine (a virtual machine, load average 8 from other work;
-py-spy 0.4.3, 30 frames, 32 idle threads): no slowdown of the profiled process could be told from noise
-(median ratios 0.995 at 19 Hz --gil, 1.004 reading every thread, 0.974 at 100 Hz; rounds within ±6 %).
-py-spy itself took 2.0 % of a core at 19 Hz with --gil (1.6 % without its start-up; 2.0-2.2 % per round),
-7.0 % at 100 Hz, and 33 % at 19 Hz reading every thread: it reads each thread's stack from the target's
+Measured on the shared 2-core reference machine (a virtual machine, otherwise quiet; py-spy 0.4.3, 30
+frames, 32 idle threads; ``--long``): no slowdown of the profiled process could be told from noise (median
+ratios 1.039 at 19 Hz --gil, 1.040 reading every thread, 0.991 at 100 Hz; rounds within about ±15 %).
+py-spy itself took 1.9 % of a core at 19 Hz with --gil (1.7 % without its start-up; 1.7-2.1 % per round),
+8.7 % at 100 Hz, and 40 % at 19 Hz reading every thread: it reads each thread's stack from the target's
 memory every sample, frame by frame, mostly in system time (``process_vm_readv``), about 1 ms a sample
 for one 30-frame stack. So the 1 % target fails at 19 Hz on this machine (9 Hz meets it), and reading
-every thread of a threaded server is out of the question by default. Parsing a window's raw output took
-under 0.1 ms.
+every thread of a threaded server is out of the question by default. The agent's parser took 0.4 ms over
+a 19 Hz window's output.
 """
 
 from __future__ import annotations
