@@ -330,6 +330,20 @@ class AlertsConfig:
 
 
 @dataclass(slots=True)
+class ClusterConfig:
+    """Several collectors sharing one PostgreSQL, one of them the detection leader; see docs/scale-out.md."""
+
+    # Join the cluster of the collectors on storage.url (PostgreSQL only).
+    enabled: bool = False
+    # This collector's name among them (letters, digits, "._:-"); empty: the host name and the OTLP/gRPC port.
+    member: str = ""
+    # Seconds between a member's heartbeats, and between a follower's tries for the leader's lock.
+    heartbeat_seconds: float = 1.0
+    # A member silent this long is gone: the leader stops waiting for its data.
+    member_timeout_seconds: float = 10.0
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["plain", "json"] = "plain"
@@ -348,6 +362,7 @@ class Config:
     detection: DetectionConfig = field(default_factory=DetectionConfig)
     log: LogConfig = field(default_factory=LogConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def database_url(self) -> str:
@@ -573,6 +588,24 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                           f"got {redact_url(url)!r}")
     _check_alerts(cfg.alerts, named)
     _check_tls(cfg, named)
+    _check_cluster(cfg, named)
+
+
+def _check_cluster(cfg: Config, named: Callable[[str], str]) -> None:
+    k = cfg.cluster
+    for key, value in {"cluster.heartbeat_seconds": k.heartbeat_seconds,
+                       "cluster.member_timeout_seconds": k.member_timeout_seconds}.items():
+        if value <= 0:
+            raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
+    if k.member_timeout_seconds < 2 * k.heartbeat_seconds:
+        raise ConfigError(f"{named('cluster.member_timeout_seconds')}: must be at least twice "
+                          f"cluster.heartbeat_seconds ({k.heartbeat_seconds:g}), got {k.member_timeout_seconds:g}")
+    if k.member and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", k.member):
+        raise ConfigError(f"{named('cluster.member')}: expected 1 to 64 letters, digits or \"._:-\", "
+                          f"got {k.member!r}")
+    if k.enabled and not cfg.database_url.startswith(("postgresql://", "postgresql+psycopg://", "postgres://")):
+        raise ConfigError(f"{named('cluster.enabled')}: collectors share their work through one PostgreSQL "
+                          f"database; storage.url is {redact_url(cfg.database_url)!r}")
 
 
 def _check_profiling(a: AgentConfig, named: Callable[[str], str]) -> None:

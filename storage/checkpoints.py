@@ -17,15 +17,16 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine, func, select
 
 from storage import schema
 from storage.writer import upsert
 
-__all__ = ["Checkpoint", "load", "position", "save"]
+__all__ = ["Checkpoint", "load", "position", "save", "save_on"]
 
 
 class Checkpoint(NamedTuple):
@@ -51,20 +52,32 @@ def save(engine: Engine, name: str, fmt: int, state: bytes, now_s: int | None = 
     Call it between commits (the collector does, on its writer thread) so that the position fits the state.
     """
     block, second = position(engine)
+    with engine.begin() as conn:
+        save_on(conn, name, fmt, state, block, second, now_s)
+
+
+def save_on(conn: Connection, name: str, fmt: int, state: bytes, span_block_id: int | None,
+            points_ingested_at: int | None, now_s: int | None = None) -> None:
+    """Replace the checkpoint ``name`` in the caller's transaction on ``conn``, with the position given."""
     t = schema.detector_checkpoints
-    stmt = upsert(engine, t)
+    stmt = upsert(conn.engine, t)
     stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={
         "saved_at": stmt.excluded.saved_at, "format": stmt.excluded.format, "state": stmt.excluded.state,
         "span_block_id": stmt.excluded.span_block_id, "points_ingested_at": stmt.excluded.points_ingested_at})
-    with engine.begin() as conn:
-        conn.execute(stmt, {"name": name, "saved_at": int(now_s if now_s is not None else time.time()),
-                            "format": fmt, "state": state, "span_block_id": block, "points_ingested_at": second})
+    conn.execute(stmt, {"name": name, "saved_at": int(now_s if now_s is not None else time.time()),
+                        "format": fmt, "state": state, "span_block_id": span_block_id,
+                        "points_ingested_at": points_ingested_at})
 
 
-def load(engine: Engine, name: str) -> Checkpoint | None:
+def load(engine: Engine | Connection, name: str) -> Checkpoint | None:
     t = schema.detector_checkpoints
-    with engine.connect() as conn:
+    with _connection(engine) as conn:
         row = conn.execute(select(t.c.format, t.c.state, t.c.saved_at, t.c.span_block_id, t.c.points_ingested_at)
                            .where(t.c.name == name)).first()
     return Checkpoint(row.format, bytes(row.state), row.saved_at, row.span_block_id,
                       row.points_ingested_at) if row else None
+
+
+def _connection(where: Engine | Connection) -> Any:
+    """A connection to read on: a new one from an engine, or the caller's own (left open)."""
+    return where.connect() if isinstance(where, Engine) else contextlib.nullcontext(where)

@@ -258,3 +258,35 @@ profile_samples = Table(
     Index("ix_profile_samples_ingested_at", "ingested_at"),
     Index("ix_profile_samples_stack", "stack_id"),
 )
+
+
+# Scale-out (docs/scale-out.md): collectors sharing one PostgreSQL. Each commit of a member that holds data is
+# one feed row, numbered by that member in its commit order (its one writer thread commits one batch at a time),
+# so the detection leader reads every member's data exactly once, in order, by a cursor per member.
+cluster_feed = Table(
+    "cluster_feed", metadata,
+    Column("member", String(64), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("block_ids", Text, nullable=False),  # JSON list of the span_blocks ids committed
+    Column("points", LargeBinary, nullable=True),  # the metric points committed (storage/cluster.py's packing)
+    Column("committed_at", BigInteger, nullable=False),  # unix seconds
+    PrimaryKeyConstraint("member", "seq", name="pk_cluster_feed"),
+)
+
+# Every collector of a cluster, as it last said it was alive (times from the database's clock: collectors'
+# clocks may disagree, the database's is one).
+cluster_members = Table(
+    "cluster_members", metadata,
+    Column("member", String(64), primary_key=True),
+    Column("started_at", BigInteger, nullable=False),  # unix ns, database clock
+    Column("heartbeat_at", BigInteger, nullable=False),  # unix ns, database clock
+    Column("fed_seq", BigInteger, nullable=False),  # its last feed row committed
+    Column("api_url", String(255), nullable=False),
+)
+
+# Where the detection leader's checkpoint stands in each member's feed (saved with the checkpoint).
+cluster_cursors = Table(
+    "cluster_cursors", metadata,
+    Column("member", String(64), primary_key=True),
+    Column("seq", BigInteger, nullable=False),
+)

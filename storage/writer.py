@@ -31,6 +31,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from spikehound.model import Frame, LatencyWindow, MetricPoint, ProfileStack, Span, Spike
 from spikehound.otlp import encode_spans
 from storage import schema
+from storage.cluster import FeedStamp, add_feed_row
 
 HOST_TOUCH_INTERVAL_NS = 1_000_000_000  # hosts.last_seen_at is refreshed at most once a second
 OPERATION_REFRESH_SECONDS = 3600  # operations.first_seen_at is refreshed at most once an hour
@@ -58,6 +59,8 @@ class WriteBatch:
     points: Sequence[MetricPoint] = ()
     windows: Sequence[LatencyWindow] = ()
     spikes: Sequence[Spike] = ()
+    # A member of a cluster stamps each batch with its next feed number: the feed row is committed with it.
+    feed: FeedStamp | None = None
 
     def __len__(self) -> int:
         return len(self.spans) + len(self.points)
@@ -184,10 +187,11 @@ class Writer:
         now_s = now_ns // 1_000_000_000
         pending = _Caches()
         with self.engine.begin() as conn:
-            if batch.spans:
-                self._write_spans(conn, batch, now_s, pending)
+            block_ids = self._write_spans(conn, batch, now_s, pending) if batch.spans else []
             if batch.points:
                 self._write_points(conn, batch.points, now_s, pending)
+            if batch.feed is not None and (block_ids or batch.points):
+                add_feed_row(conn, batch.feed, block_ids, batch.points, now_s)
             hosts = {s.host for s in batch.spans if s.host} | {p.host for p in batch.points}
             touched = self._cache["host_touched"]
             touch = [{"host": h, "last_seen_at": now_ns} for h in sorted(hosts)
@@ -195,15 +199,19 @@ class Writer:
             if touch:
                 conn.execute(self._hosts, _fit_rows(schema.hosts, [dict(t) for t in touch]))
                 pending.host_touched.update((t["host"], now_ns) for t in touch)
-            if batch.windows:
-                conn.execute(self._windows, _fit_rows(schema.latency_windows,
-                                                      [_window_row(w) for w in batch.windows]))
-            if batch.spikes:
-                self._write_spikes(conn, batch.spikes)
+            self.write_detection(conn, batch.windows, batch.spikes)
         # Only committed rows may enter the caches, or a rolled-back insert would be skipped forever.
         self._cache["operations"].update(pending.operations)
         self._cache["series"].update(pending.series)
         self._cache["host_touched"].update(pending.host_touched)
+
+    def write_detection(self, conn: Any, windows: Sequence[LatencyWindow], spikes: Sequence[Spike]) -> None:
+        """Closed windows and spike states on ``conn``, in the caller's transaction (a cluster's leader writes
+        them in its own, which first checks it still leads)."""
+        if windows:
+            conn.execute(self._windows, _fit_rows(schema.latency_windows, [_window_row(w) for w in windows]))
+        if spikes:
+            self._write_spikes(conn, spikes)
 
     def write_profiles(self, stacks: Sequence[ProfileStack], now_ns: int | None = None) -> None:
         """Commit sampling profiles in one transaction, or raise and commit nothing.
@@ -225,7 +233,8 @@ class Writer:
                      "period_ns": s.period_ns, "samples": s.samples, "ingested_at": now_s} for s in stacks]
             conn.execute(self._profile_samples, _fit_rows(schema.profile_samples, rows))
 
-    def _write_spans(self, conn: Any, batch: WriteBatch, now_s: int, pending: _Caches) -> None:
+    def _write_spans(self, conn: Any, batch: WriteBatch, now_s: int, pending: _Caches) -> list[int]:
+        """Write the batch's span blocks; their ids, in order."""
         # The entries' own get: a method of ours around it would cost a Python call a span.
         recorded, due = self._cache["operations"].entries.get, now_s - OPERATION_REFRESH_SECONDS
         fresh = pending.operations
@@ -244,16 +253,19 @@ class Writer:
         blocks = batch.blocks or [SpanBlock(encode_spans(batch.spans).SerializeToString(), batch.spans)]
         index_rows: list[tuple[bytes, int]] = []
         service_rows: list[dict[str, Any]] = []
+        block_ids: list[int] = []
         for block in blocks:
             stats = _BlockStats.of(block.spans)
             block_id = conn.execute(self._block, {
                 "ingested_at": now_s, "span_count": len(block.spans), "start_ns": stats.start_ns,
                 "end_ns": stats.end_ns, "payload": block.payload,
             }).scalar_one()
+            block_ids.append(block_id)
             index_rows.extend((trace_id, block_id) for trace_id in {s.trace_id for s in block.spans})
             service_rows += stats.service_rows(block_id)
         conn.exec_driver_sql(self._trace_block_sql, index_rows)
         conn.execute(schema.span_block_services.insert(), _fit_rows(schema.span_block_services, service_rows))
+        return block_ids
 
     def _write_points(self, conn: Any, points: Sequence[MetricPoint], now_s: int, pending: _Caches) -> None:
         rows = []

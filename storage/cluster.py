@@ -1,0 +1,176 @@
+"""What collectors sharing one PostgreSQL keep there to work as one (docs/scale-out.md).
+
+* **The feed.** Every commit of a member that holds spans or metric points adds one ``cluster_feed`` row in
+  the same transaction: the ids of the span blocks it wrote and the points, packed. A member numbers its rows
+  itself (``seq``), in commit order: its one writer thread commits one batch at a time, so a reader that
+  keeps a cursor per member sees every commit once and in order, which ids from a shared sequence cannot
+  promise (two transactions commit in another order than they drew their ids).
+* **Members.** Each collector upserts its ``cluster_members`` row every heartbeat; ages are measured on the
+  database's clock, so collectors whose clocks disagree still agree on who is alive.
+* **The leader.** One collector holds a session advisory lock (``LEADER_LOCK``) and runs detection over the
+  feed. Each of its writes first takes the same lock for its transaction (``still_leading``): that succeeds in
+  the session that holds it, and fails once another collector does, so a leader that lost its session (a
+  network partition, a killed connection) never writes beside its successor.
+
+PostgreSQL only: a cluster needs a database that several processes on several hosts can write at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy.dialects.postgresql import insert
+
+from spikehound.model import MetricKind, MetricPoint
+from storage import schema
+
+__all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "add_feed_row", "block_payloads", "heartbeat",
+           "last_seq", "load_cursors", "members", "pack_points", "read_feed", "release_lead", "save_cursors",
+           "still_leading", "trim_feed", "try_lead", "unpack_points"]
+
+LEADER_LOCK = 0x5350_4B48_0002  # the detection leader's advisory lock ("SPKH" 2)
+_DB_NOW_NS = text("(extract(epoch from clock_timestamp()) * 1000000000)::bigint")
+
+
+@dataclass(frozen=True, slots=True)
+class FeedStamp:
+    """Which member commits a batch, and its number in that member's feed."""
+
+    member: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class FeedRow:
+    member: str
+    seq: int
+    block_ids: tuple[int, ...]
+    points: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    member: str
+    started_at: int  # unix ns, database clock
+    age_s: float  # seconds since its last heartbeat, on the database's clock
+    fed_seq: int
+    api_url: str
+
+
+def pack_points(points: Sequence[MetricPoint]) -> bytes:
+    """Metric points as a feed row carries them (JSON: they are few next to spans, and read back once).
+
+    >>> p = MetricPoint("gpu-1", "hw.gpu.utilization", {"hw.id": "GPU-0"}, 10, 0.5, MetricKind.GAUGE, "1")
+    >>> unpack_points(pack_points([p])) == [p]
+    True
+    """
+    return orjson.dumps([[p.host, p.name, p.attributes, p.time_unix_nano, p.value, int(p.kind), p.unit]
+                         for p in points])
+
+
+def unpack_points(blob: bytes) -> list[MetricPoint]:
+    return [MetricPoint(host, name, attributes, t, value, MetricKind(kind), unit)
+            for host, name, attributes, t, value, kind, unit in orjson.loads(blob)]
+
+
+def add_feed_row(conn: Connection, stamp: FeedStamp, block_ids: Sequence[int], points: Sequence[MetricPoint],
+                 now_s: int) -> None:
+    """In the transaction of the commit it describes (see the module's docstring)."""
+    conn.execute(schema.cluster_feed.insert(), {
+        "member": stamp.member, "seq": stamp.seq, "block_ids": orjson.dumps(list(block_ids)).decode(),
+        "points": pack_points(points) if points else None, "committed_at": now_s})
+
+
+def last_seq(engine: Engine, member: str) -> int:
+    """The last feed number ``member`` used (0: none): its next commit takes the one after."""
+    f, m, c = schema.cluster_feed, schema.cluster_members, schema.cluster_cursors
+    with engine.connect() as conn:
+        found = [conn.execute(select(func.max(f.c.seq)).where(f.c.member == member)).scalar(),
+                 conn.execute(select(m.c.fed_seq).where(m.c.member == member)).scalar(),
+                 conn.execute(select(c.c.seq).where(c.c.member == member)).scalar()]
+    return max(int(v) for v in found if v is not None) if any(v is not None for v in found) else 0
+
+
+def heartbeat(engine: Engine, member: str, api_url: str, fed_seq: int, *, starting: bool = False) -> None:
+    """Say ``member`` is alive (``starting``: it has just started, which the leader watches for)."""
+    m = schema.cluster_members
+    stmt = insert(m).values(member=member, started_at=_DB_NOW_NS, heartbeat_at=_DB_NOW_NS, fed_seq=fed_seq,
+                            api_url=api_url)
+    updates: dict[str, Any] = {"heartbeat_at": stmt.excluded.heartbeat_at, "api_url": stmt.excluded.api_url,
+                               "fed_seq": func.greatest(m.c.fed_seq, stmt.excluded.fed_seq)}
+    if starting:
+        updates["started_at"] = stmt.excluded.started_at
+    with engine.begin() as conn:
+        conn.execute(stmt.on_conflict_do_update(index_elements=["member"], set_=updates))
+
+
+def members(conn: Connection) -> list[Member]:
+    m = schema.cluster_members
+    age = (_DB_NOW_NS - m.c.heartbeat_at) / 1e9
+    rows = conn.execute(select(m.c.member, m.c.started_at, age, m.c.fed_seq, m.c.api_url).order_by(m.c.member))
+    return [Member(r[0], int(r[1]), float(r[2]), int(r[3]), r[4]) for r in rows]
+
+
+def read_feed(conn: Connection, cursors: Mapping[str, int], names: Iterable[str], limit: int) -> list[FeedRow]:
+    """Up to ``limit`` rows per member after its cursor (0 for a member without one), each member's in order."""
+    f = schema.cluster_feed
+    rows: list[FeedRow] = []
+    for name in names:
+        query = (select(f.c.member, f.c.seq, f.c.block_ids, f.c.points)
+                 .where(f.c.member == name, f.c.seq > cursors.get(name, 0)).order_by(f.c.seq).limit(limit))
+        rows += [FeedRow(r[0], int(r[1]), tuple(orjson.loads(r[2])), bytes(r[3]) if r[3] is not None else None)
+                 for r in conn.execute(query)]
+    return rows
+
+
+def block_payloads(conn: Connection, ids: Sequence[int]) -> dict[int, bytes]:
+    b = schema.span_blocks
+    if not ids:
+        return {}
+    return {int(i): bytes(p) for i, p in conn.execute(select(b.c.id, b.c.payload).where(b.c.id.in_(list(ids))))}
+
+
+def load_cursors(conn: Connection) -> dict[str, int]:
+    c = schema.cluster_cursors
+    return {member: int(seq) for member, seq in conn.execute(select(c.c.member, c.c.seq))}
+
+
+def save_cursors(conn: Connection, cursors: Mapping[str, int]) -> None:
+    """In the transaction that saves the leader's checkpoint."""
+    if not cursors:
+        return
+    c = schema.cluster_cursors
+    stmt = insert(c)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["member"], set_={"seq": stmt.excluded.seq}),
+                 [{"member": k, "seq": v} for k, v in sorted(cursors.items())])
+
+
+def trim_feed(conn: Connection, cursors: Mapping[str, int]) -> int:
+    """Delete the feed rows a saved checkpoint has consumed; how many."""
+    f = schema.cluster_feed
+    deleted = 0
+    for member, seq in sorted(cursors.items()):
+        deleted += conn.execute(f.delete().where(f.c.member == member, f.c.seq <= seq)).rowcount or 0
+    return deleted
+
+
+def try_lead(conn: Connection) -> bool:
+    """Take the leader's lock for ``conn``'s session if nobody holds it (outside a transaction: a session lock
+    taken in one stays when it ends, so it is committed at once)."""
+    held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LEADER_LOCK}).scalar())
+    conn.commit()
+    return held
+
+
+def still_leading(conn: Connection) -> bool:
+    """In a transaction of the leader's: False when another session holds the leader's lock now."""
+    return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": LEADER_LOCK}).scalar())
+
+
+def release_lead(conn: Connection) -> None:
+    conn.execute(text("SELECT pg_advisory_unlock_all()"))
+    conn.commit()
