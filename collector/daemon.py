@@ -21,6 +21,8 @@ from collections.abc import Callable
 from sqlalchemy import Engine
 
 from collector.alerts.alerting import Alerting, public_url
+from collector.cluster.leader import DetectionLeader
+from collector.cluster.member import ClusterMember, default_member_name
 from collector.cross_site import Site
 from collector.exported_metrics import install_exported_metrics
 from collector.ingest import Ingest
@@ -69,6 +71,7 @@ class Collector:
         self._grpc: GrpcServer | None = None
         self._http: HttpServer | None = None
         self.pipeline: IngestPipeline | None = None
+        self.leader: DetectionLeader | None = None  # in a cluster (cluster.enabled): this member's campaign to lead
         self.profiles: ProfileIngest | None = None  # the receivers' profiles path (tests reach its limits)
         self._listening = False
         self._reload_tasks: set[asyncio.Task[object]] = set()
@@ -119,13 +122,27 @@ class Collector:
         retention = RetentionRunner(Retention(engine), self.telemetry, writer_thread)
         health = StorageHealth(self.telemetry)  # told by the pipeline's commits; asked by receivers and /readyz
         writer = Writer(engine)
-        self.pipeline = pipeline = IngestPipeline(cfg, queue, writer, writer_thread, retention,
-                                                  self.telemetry, health=health)
-        self.telemetry.registry.register(pipeline.detector_metrics)
-        install_exported_metrics(cfg, pipeline, self.telemetry, reader)
         self.alerting = alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread,
                                             clock=self.alerting_clock, health=health)
-        pipeline.spike_listeners.append(alerting.observe)
+        member: ClusterMember | None = None
+        if cfg.cluster.enabled:
+            # Each member stores its share and stamps its feed; the leader, whichever member holds the lock,
+            # detects over every member's feed and alone routes alerts and runs retention (docs/scale-out.md).
+            name = cfg.cluster.member or default_member_name(c.otlp_grpc.port)
+            member = ClusterMember(cfg.cluster, engine, name, lambda: self._links(self.api_port), health)
+            self.leader = leader = DetectionLeader(cfg, engine, name, self.telemetry, health, alerting,
+                                                   lambda: self._links(self.api_port))
+            leader.announcer.listeners.append(alerting.observe)
+        self.pipeline = pipeline = IngestPipeline(
+            cfg, queue, writer, writer_thread, retention, self.telemetry, health=health, member=member,
+            runs_retention=(lambda: self.leader is not None and self.leader.leading) if member else lambda: True)
+        if self.leader is not None:
+            self.telemetry.registry.register(self.leader.detector_metrics)
+            self.telemetry.registry.register(self.leader.metrics)
+        else:
+            self.telemetry.registry.register(pipeline.detector_metrics)
+            pipeline.spike_listeners.append(alerting.observe)
+        install_exported_metrics(cfg, pipeline, self.telemetry, reader)
         ingest = Ingest.configured(queue, self.telemetry, c, health)
         # Profiles skip the queue: each export is its own transaction on the writer thread (low volume).
         self.profiles = profiles = ProfileIngest(ingest, pipeline.write_aside, writer.write_profiles)
@@ -150,12 +167,16 @@ class Collector:
         # the pipeline commits what they accepted and hands its last spikes to alerting, which commits its last
         # decisions; the API (alerting's routes) goes; the writer thread ends once every write ran, and
         # storage closes last.
+        # In a cluster the member's heartbeats and the campaign to lead take alerting's place: the leader
+        # routes and delivers while it leads, and commits its last decisions when it stops.
+        cluster_parts = [member, self.leader] if member is not None and self.leader is not None else [
+            Stage("alerting", start=self._start_alerting, stop=alerting.stop)]
         await self.components.start(
             Stage("storage", start=self._open_storage, stop=self._close_storage),
             writer_thread,
             Stage("alert state", start=functools.partial(alerting.restore, reader)),
             self._api,
-            Stage("alerting", start=self._start_alerting, stop=alerting.stop),
+            *cluster_parts,
             pipeline,
             self._grpc,
             self._http,

@@ -19,11 +19,13 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from collector.catch_up import CatchUp
+from collector.cluster.member import ClusterMember
 from collector.commit_hooks import CommitHooks
 from collector.detection import detection_settings
 from collector.detector_metrics import DetectorMetrics
 from collector.ingest_queue import IngestQueue, Submission
 from collector.retention import RetentionRunner
+from collector.spike_announcer import SpikeAnnouncer
 from collector.storage_health import StorageHealth
 from collector.storage_unavailable import StorageUnavailable
 from collector.telemetry import CollectorTelemetry
@@ -31,7 +33,6 @@ from collector.writer_thread import WriterThread
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.config import Config
 from spikehound.model import Spike
-from spikehound.text import printable
 from storage import checkpoints
 from storage.reader import Reader
 from storage.writer import SpanBlock, WriteBatch, Writer
@@ -62,8 +63,14 @@ class IngestPipeline:
 
     def __init__(self, cfg: Config, queue: IngestQueue, writer: Writer, writer_thread: WriterThread,
                  retention: RetentionRunner, telemetry: CollectorTelemetry, *,
-                 health: StorageHealth | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 health: StorageHealth | None = None, clock: Callable[[], float] = time.monotonic,
+                 member: ClusterMember | None = None, runs_retention: Callable[[], bool] = lambda: True) -> None:
         self.cfg = cfg
+        # In a cluster (docs/scale-out.md) the pipeline stores and stamps each commit into the member's feed;
+        # the detection leader, one member, runs the detectors over every member's feed instead.
+        self.member = member
+        self.detects = member is None
+        self.runs_retention = runs_retention  # in a cluster, the leader alone runs it
         # Seconds for the schedules (idle flush, checkpoints, retention); tests step it instead of waiting.
         self.clock = clock
         self.queue = queue
@@ -76,10 +83,10 @@ class IngestPipeline:
         self.health = health or StorageHealth(telemetry)
         # Holds the windows after an episode or a restart until the senders' backlogs have drained.
         self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)
+        self.announcer = SpikeAnnouncer(telemetry)
         # Called on the event loop with every spike state written (opened, updated, resolved).
-        self.spike_listeners: list[Callable[[list[Spike]], None]] = []
+        self.spike_listeners = self.announcer.listeners
         self._pending = Detection()  # windows and spikes waiting for the next commit
-        self._open_ids: set[str] = set()
         self._open_windows = 0  # (stream, window) pairs not yet judged, as of the last detector step
         self._orphans: list[Spike] = []  # open in storage, unknown to the restored detectors (see restore)
         self._last_input = self.clock()
@@ -105,11 +112,12 @@ class IngestPipeline:
     async def start(self) -> None:
         """Continue from the checkpoint, then take the queue in a background task (see ``failed``)."""
         self._failed = asyncio.get_running_loop().create_future()
-        await self.restore()
-        # At once, not only every checkpoint_seconds: it says where storage stands, so that a collector killed
-        # before its first periodic checkpoint (a crash loop, a kill in its first minute) replays what it
-        # committed instead of starting its detectors from nothing.
-        await self.checkpoint()
+        if self.detects:
+            await self.restore()
+            # At once, not only every checkpoint_seconds: it says where storage stands, so that a collector
+            # killed before its first periodic checkpoint (a crash loop, a kill in its first minute) replays
+            # what it committed instead of starting its detectors from nothing.
+            await self.checkpoint()
         self._task = asyncio.create_task(self.run(), name="ingest-pipeline")
         self._task.add_done_callback(self._ended)
 
@@ -148,15 +156,15 @@ class IngestPipeline:
             await self._refill_traces(found)
             replayed = await self._replay_committed(found)
         self._open_windows = self.engine.windows.open_windows
-        self._open_ids = {s.id for s in self.engine.open_spikes()}
+        self.announcer.open_ids = {s.id for s in self.engine.open_spikes()}
         stored = await self.writer_thread.run(Reader(self.writer.engine).spikes, None, None, None, "open", 10_000)
         # Opened after the checkpoint the detectors continue from (the collector was killed in between). After
         # a replay the detectors find them again (same id) once the held windows are judged; without one (a
         # checkpoint from before positions) they do not know them, and nothing would ever resolve them. Those
         # left are closed at the last window that saw them anomalous, once event time has moved past it
         # (alerting announces them meanwhile, as it would any open spike it finds at start).
-        self._orphans = [spike for spike in stored if spike.id not in self._open_ids]
-        self._open_ids.update(spike.id for spike in self._orphans)
+        self._orphans = [spike for spike in stored if spike.id not in self.announcer.open_ids]
+        self.announcer.open_ids.update(spike.id for spike in self._orphans)
         if self._orphans and not replayed:
             log.warning("%d spike(s) open in storage are not in the detectors' checkpoint (the collector stopped "
                         "without saving it): they will be closed at their last anomalous window once event time "
@@ -225,6 +233,8 @@ class IngestPipeline:
 
     async def _begin_catch_up(self) -> None:
         """Hold the windows where the data has brought them, before any backlog reaches the detectors."""
+        if not self.detects:
+            return
         self.catch_up.begin()
         await self.writer_thread.run(self._set_hold)
 
@@ -318,12 +328,13 @@ class IngestPipeline:
             else:
                 await self._tick()
             # Also under continuous ingest: a SIGKILL loses at most checkpoint_seconds of learned state.
-            if self.clock() >= self._next_checkpoint:
+            if self.detects and self.clock() >= self._next_checkpoint:
                 self._next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
                 await self.checkpoint()
         # Open windows are not flushed: they are in the checkpoint, and a restart continues them.
         await self._write_pending()
-        await self.checkpoint()
+        if self.detects:
+            await self.checkpoint()
 
     async def _commit(self, taken: list[Submission]) -> None:
         spans = [s for sub in taken for s in sub.spans]
@@ -354,7 +365,7 @@ class IngestPipeline:
                 sub.committed.set_result(None)
         self.telemetry.stored.labels("spans").inc(len(spans))
         self.telemetry.stored.labels("metrics").inc(len(points))
-        self._written(pending)
+        self.announcer.written(pending)
         self._pending = detected
         if self.catch_up.active and spans:
             self.catch_up.arrived([s.end_unix_nano for s in spans], self.engine.windows.hold)
@@ -368,9 +379,19 @@ class IngestPipeline:
         Only the commit may raise: the hooks and the detectors after it count their own failures, so that a
         batch on disk is never answered as a failed write.
         """
-        self.writer.write(batch)
+        if self.member is not None and (batch.spans or batch.points):
+            batch = replace(batch, feed=self.member.stamp())
+            try:
+                self.writer.write(batch)
+            except Exception:
+                self.member.forget()  # it may have committed all the same (an answer lost with the connection)
+                raise
+            assert batch.feed is not None
+            self.member.committed(batch.feed)
+        else:
+            self.writer.write(batch)
         self.commit_hooks.run(batch)
-        if not batch.spans and not batch.points:
+        if not self.detects or (not batch.spans and not batch.points):
             return Detection()
         return self._detect(self._add_and_advance, batch)
 
@@ -405,35 +426,6 @@ class IngestPipeline:
             log.error("%s failed on a batch (stored anyway); counted in spikehound_detector_errors_total, further "
                       "%s errors are not logged", what, kind[1], exc_info=exc)
 
-    def _written(self, done: Detection) -> None:
-        """Account for windows and spikes that were just committed, and tell the listeners."""
-        self.telemetry.windows_closed.inc(len(done.windows))
-        if not done.spikes:
-            return
-        for spike in done.spikes:
-            event = self._announce(spike)
-            self.telemetry.spikes.labels(event).inc()
-        for listener in self.spike_listeners:
-            try:
-                listener(done.spikes)
-            except Exception:
-                log.exception("spike listener failed")
-
-    def _announce(self, spike: Spike) -> str:
-        # Names come from senders: shown escaped, so a span name cannot forge or recolour a log line.
-        what = (f"{printable(spike.service, 255)} {spike.operation[:1024]!r}: p99 {spike.p99_ns / 1e6:.1f} ms "
-                f"against {spike.baseline_p99_ns / 1e6:.1f} ms")
-        top = printable(spike.causes[0].summary, 2048) if spike.causes else "no cause found yet"
-        if spike.state == "resolved":
-            self._open_ids.discard(spike.id)
-            log.info("spike %s resolved on %s", spike.id, what)
-            return "resolved"
-        if spike.id not in self._open_ids:
-            self._open_ids.add(spike.id)
-            log.warning("spike %s opened on %s; top cause: %s", spike.id, what, top)
-            return "opened"
-        return "updated"
-
     async def _write_pending(self) -> bool:
         """Commit the windows and spikes waiting for a commit; False when storage failed."""
         pending = self._pending
@@ -445,7 +437,7 @@ class IngestPipeline:
             await self._backoff(exc)
             return False
         self._pending = Detection()
-        self._written(pending)
+        self.announcer.written(pending)
         return True
 
     async def checkpoint(self) -> None:
@@ -461,6 +453,10 @@ class IngestPipeline:
             self.health.note("detector checkpoint", exc)
             return
         self.telemetry.checkpoint_seconds.observe(time.perf_counter() - started)
+
+    def _member_probe(self) -> None:
+        assert self.member is not None
+        self.member.probe()
 
     def _save_checkpoint(self) -> None:
         # With the position storage is at now: this runs on the writer thread, between two commits.
@@ -531,8 +527,8 @@ class IngestPipeline:
         if self._pending.windows or self._pending.spikes:
             await self._write_pending()
             return
-        try:
-            await self.writer_thread.run(self._save_checkpoint)  # sizeable, so a full disk does not pass it
+        try:  # sizeable, so a full disk does not pass it (a member's heartbeat is small, but its own)
+            await self.writer_thread.run(self._save_checkpoint if self.detects else self._member_probe)
         except Exception as exc:
             self.telemetry.write_errors.inc()
             await self._backoff(exc)
@@ -555,7 +551,7 @@ class IngestPipeline:
         await self._catch_up_step()
         # Not while the senders' backlogs drain (after an outage or a restart): the windows they fill must
         # stay open. (While storage is away, the return above keeps event time still.)
-        if idle >= c.idle_flush_seconds and not self.catch_up.active:
+        if self.detects and idle >= c.idle_flush_seconds and not self.catch_up.active:
             advance = int((c.allowed_lateness_seconds + idle) * NS)
             watermark = self.engine.windows.watermark
             if watermark is not None:  # never past the clock plus the skew the receivers allow
@@ -566,7 +562,7 @@ class IngestPipeline:
             self._close_orphans()
         if not await self._write_pending():
             return
-        if self.clock() >= self._next_retention:
+        if self.clock() >= self._next_retention and self.runs_retention():
             self._next_retention = self.clock() + RETENTION_INTERVAL_SECONDS
             await self.run_retention()
 

@@ -17,6 +17,7 @@ PostgreSQL only: a cluster needs a database that several processes on several ho
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,8 @@ from spikehound.model import MetricKind, MetricPoint
 from storage import schema
 
 __all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "add_feed_row", "block_payloads", "heartbeat",
-           "last_seq", "load_cursors", "members", "pack_points", "read_feed", "release_lead", "save_cursors",
-           "still_leading", "trim_feed", "try_lead", "unpack_points"]
+           "last_seq", "load_cursors", "members", "pack_points", "pending_block_ids", "read_feed", "release_lead",
+           "save_cursors", "still_leading", "trim_feed", "try_lead", "unpack_points"]
 
 LEADER_LOCK = 0x5350_4B48_0002  # the detection leader's advisory lock ("SPKH" 2)
 _DB_NOW_NS = text("(extract(epoch from clock_timestamp()) * 1000000000)::bigint")
@@ -50,6 +51,7 @@ class FeedRow:
     seq: int
     block_ids: tuple[int, ...]
     points: bytes | None
+    written_ns: int  # database clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,27 +64,29 @@ class Member:
 
 
 def pack_points(points: Sequence[MetricPoint]) -> bytes:
-    """Metric points as a feed row carries them (JSON: they are few next to spans, and read back once).
+    """Metric points as a feed row carries them: pickled tuples, so that every attribute value keeps its type
+    (an OTLP bytes value stays bytes) and the leader keys its series as the member did. Only collectors write
+    and read them, as they do their checkpoints.
 
-    >>> p = MetricPoint("gpu-1", "hw.gpu.utilization", {"hw.id": "GPU-0"}, 10, 0.5, MetricKind.GAUGE, "1")
+    >>> p = MetricPoint("gpu-1", "hw.gpu.utilization", {"hw.id": b"\\x01"}, 10, 0.5, MetricKind.GAUGE, "1", 5)
     >>> unpack_points(pack_points([p])) == [p]
     True
     """
-    return orjson.dumps([[p.host, p.name, p.attributes, p.time_unix_nano, p.value, int(p.kind), p.unit]
-                         for p in points])
+    return pickle.dumps([(p.host, p.name, p.attributes, p.time_unix_nano, p.value, int(p.kind), p.unit,
+                          p.start_unix_nano) for p in points], protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def unpack_points(blob: bytes) -> list[MetricPoint]:
-    return [MetricPoint(host, name, attributes, t, value, MetricKind(kind), unit)
-            for host, name, attributes, t, value, kind, unit in orjson.loads(blob)]
+    return [MetricPoint(host, name, attributes, t, value, MetricKind(kind), unit, start)
+            for host, name, attributes, t, value, kind, unit, start in pickle.loads(blob)]
 
 
-def add_feed_row(conn: Connection, stamp: FeedStamp, block_ids: Sequence[int], points: Sequence[MetricPoint],
-                 now_s: int) -> None:
+def add_feed_row(conn: Connection, stamp: FeedStamp, block_ids: Sequence[int], points: Sequence[MetricPoint]
+                 ) -> None:
     """In the transaction of the commit it describes (see the module's docstring)."""
-    conn.execute(schema.cluster_feed.insert(), {
-        "member": stamp.member, "seq": stamp.seq, "block_ids": orjson.dumps(list(block_ids)).decode(),
-        "points": pack_points(points) if points else None, "committed_at": now_s})
+    conn.execute(schema.cluster_feed.insert().values(
+        member=stamp.member, seq=stamp.seq, block_ids=orjson.dumps(list(block_ids)).decode(),
+        points=pack_points(points) if points else None, written_ns=_DB_NOW_NS))
 
 
 def last_seq(engine: Engine, member: str) -> int:
@@ -120,10 +124,10 @@ def read_feed(conn: Connection, cursors: Mapping[str, int], names: Iterable[str]
     f = schema.cluster_feed
     rows: list[FeedRow] = []
     for name in names:
-        query = (select(f.c.member, f.c.seq, f.c.block_ids, f.c.points)
+        query = (select(f.c.member, f.c.seq, f.c.block_ids, f.c.points, f.c.written_ns)
                  .where(f.c.member == name, f.c.seq > cursors.get(name, 0)).order_by(f.c.seq).limit(limit))
-        rows += [FeedRow(r[0], int(r[1]), tuple(orjson.loads(r[2])), bytes(r[3]) if r[3] is not None else None)
-                 for r in conn.execute(query)]
+        rows += [FeedRow(r[0], int(r[1]), tuple(orjson.loads(r[2])), bytes(r[3]) if r[3] is not None else None,
+                         int(r[4])) for r in conn.execute(query)]
     return rows
 
 
@@ -132,6 +136,19 @@ def block_payloads(conn: Connection, ids: Sequence[int]) -> dict[int, bytes]:
     if not ids:
         return {}
     return {int(i): bytes(p) for i, p in conn.execute(select(b.c.id, b.c.payload).where(b.c.id.in_(list(ids))))}
+
+
+def pending_block_ids(conn: Connection, cursors: Mapping[str, int]) -> set[int]:
+    """The span blocks of every feed row after the cursors (0 for a member without one): not yet fed.
+
+    Rows up to the cursors are trimmed after each checkpoint, so the table holds little more than these.
+    """
+    f = schema.cluster_feed
+    ids: set[int] = set()
+    for member, seq, block_ids in conn.execute(select(f.c.member, f.c.seq, f.c.block_ids)):
+        if seq > cursors.get(member, 0):
+            ids.update(orjson.loads(block_ids))
+    return ids
 
 
 def load_cursors(conn: Connection) -> dict[str, int]:

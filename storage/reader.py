@@ -258,11 +258,12 @@ class Reader:
                 last = row_id
         return last, spans
 
-    def spans_ending_since(self, end_ns: int, up_to_block: int, after_block: int | None = None, limit: int = 256
-                           ) -> tuple[int, list[Span]]:
+    def spans_ending_since(self, end_ns: int, up_to_block: int, after_block: int | None = None, limit: int = 256,
+                           exclude: Collection[int] = ()) -> tuple[int, list[Span]]:
         """The spans of up to ``limit`` span blocks up to ``up_to_block`` that end at ``end_ns`` or later, in id
-        order from after ``after_block`` (from the first such block when None), and the last block id read. For
-        the collector's restart, which refills its detectors' recent traces (not part of a checkpoint)."""
+        order from after ``after_block`` (from the first such block when None), and the last block id read;
+        blocks whose id is in ``exclude`` are read past, not decoded. For the collector's restart and a cluster's
+        new leader, which refill their detectors' recent traces (not part of a checkpoint)."""
         b = schema.span_blocks
         with self.engine.connect() as conn:
             if after_block is None:
@@ -277,7 +278,8 @@ class Reader:
             last = up_to_block
             rows = conn.execute(query).all()
         for row_id, payload in rows:
-            spans += spans_of_block(bytes(payload))
+            if row_id not in exclude:
+                spans += spans_of_block(bytes(payload))
             last = row_id
         return (last if rows else up_to_block), spans
 

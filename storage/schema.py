@@ -269,7 +269,9 @@ cluster_feed = Table(
     Column("seq", BigInteger, nullable=False),
     Column("block_ids", Text, nullable=False),  # JSON list of the span_blocks ids committed
     Column("points", LargeBinary, nullable=True),  # the metric points committed (storage/cluster.py's packing)
-    Column("committed_at", BigInteger, nullable=False),  # unix seconds
+    # When it was written, on the database's clock (one clock for every member): the leader feeds the members'
+    # rows to the detectors in this order, the order one collector would have received them in.
+    Column("written_ns", BigInteger, nullable=False),
     PrimaryKeyConstraint("member", "seq", name="pk_cluster_feed"),
 )
 

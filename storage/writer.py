@@ -191,7 +191,7 @@ class Writer:
             if batch.points:
                 self._write_points(conn, batch.points, now_s, pending)
             if batch.feed is not None and (block_ids or batch.points):
-                add_feed_row(conn, batch.feed, block_ids, batch.points, now_s)
+                add_feed_row(conn, batch.feed, block_ids, batch.points)
             hosts = {s.host for s in batch.spans if s.host} | {p.host for p in batch.points}
             touched = self._cache["host_touched"]
             touch = [{"host": h, "last_seen_at": now_ns} for h in sorted(hosts)

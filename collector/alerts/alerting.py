@@ -134,6 +134,25 @@ class Alerting:
 
     async def stop(self) -> None:
         """Commit what routing decided last, then let deliveries in flight finish (briefly)."""
+        await self._end_tasks()
+        if self.enabled:
+            await self.flush()
+
+    async def lead(self, reader: Reader, base_url: str) -> None:
+        """This collector has become its cluster's leader: route from the shared state (alert groups, silences,
+        open spikes, as the last leader committed them) and deliver the shared outbox."""
+        self._reset()
+        await self.restore(reader)
+        self.start(base_url)
+
+    async def follow(self) -> None:
+        """No longer the leader: stop routing and delivering, and commit nothing more. What was decided and not
+        committed, the new leader decides again from the shared state; a notification cut off mid-send stays
+        pending in the outbox, and the new leader sends it with the same Idempotency-Key."""
+        await self._end_tasks()
+        self._reset()
+
+    async def _end_tasks(self) -> None:
         self._stopping = True
         self._event.set()
         self.delivery.stop()
@@ -144,8 +163,16 @@ class Alerting:
             for task in pending:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self.enabled:
-            await self.flush()
+        self._tasks = []
+
+    def _reset(self) -> None:
+        """Routing as a fresh start has it (``restore`` fills it from storage)."""
+        self.router = Router(self.cfg.alerts, clock=self.clock)
+        self.delivery = OutboxDelivery(self.cfg.alerts, self.store, self.telemetry, clock=self.clock,
+                                       health=self.health)
+        self._unsaved = Decision()
+        self._event = asyncio.Event()
+        self._stopping = False
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -246,7 +273,10 @@ class Alerting:
                 counts = await self.store.count_by_state()
                 for state in ("pending", "delivered", "dead"):
                     self.telemetry.outbox.labels(state).set(counts.get(state, 0))
-                self.router.set_silences(s for s in self.router.silences if s.state(int(now * NS)) != "expired")
+                # From storage, not only this collector's own: in a cluster a silence may be created through
+                # any collector's API, and the leader routes.
+                rows = await self.store.silences(active_at=int(now * NS))
+                self.router.set_silences(Silence.from_row(r) for r in rows)
             if now >= self._next_retention:
                 self._next_retention = now + RETENTION_SECONDS
                 keep = self.cfg.alerts.delivered_retention_hours * 3600

@@ -25,7 +25,7 @@ def upgrade() -> None:
         sa.Column("seq", sa.BigInteger(), nullable=False),
         sa.Column("block_ids", sa.Text(), nullable=False),
         sa.Column("points", sa.LargeBinary(), nullable=True),
-        sa.Column("committed_at", sa.BigInteger(), nullable=False),
+        sa.Column("written_ns", sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint("member", "seq", name="pk_cluster_feed"),
     )
     op.create_table(
