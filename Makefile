@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest
 	$(BIN)/python -m benchmarks.ingest --compare hop-streams --pairs 3
+	$(BIN)/python -m benchmarks.scale_out
 	$(BIN)/python -m benchmarks.detection
 	$(BIN)/python -m benchmarks.agent_overhead
 	$(BIN)/python -m benchmarks.profiling_overhead

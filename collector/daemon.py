@@ -130,7 +130,7 @@ class Collector:
             # detects over every member's feed and alone routes alerts and runs retention (docs/scale-out.md).
             name = cfg.cluster.member or default_member_name(c.otlp_grpc.port)
             member = ClusterMember(cfg.cluster, engine, name, lambda: self._links(self.api_port), health)
-            self.leader = leader = DetectionLeader(cfg, engine, name, self.telemetry, health, alerting,
+            self.leader = leader = DetectionLeader(cfg, engine, name, self.telemetry, alerting,
                                                    lambda: self._links(self.api_port))
             leader.announcer.listeners.append(alerting.observe)
         self.pipeline = pipeline = IngestPipeline(

@@ -64,11 +64,12 @@ class Member:
 
 
 def pack_points(points: Sequence[MetricPoint]) -> bytes:
-    """Metric points as a feed row carries them: pickled tuples, so that every attribute value keeps its type
-    (an OTLP bytes value stays bytes) and the leader keys its series as the member did. Only collectors write
-    and read them, as they do their checkpoints.
+    """Metric points as a feed row carries them: pickled tuples, so that every attribute value comes back as
+    it was decoded (an array stays a tuple, an integer an integer) and the leader keys each series as the member
+    did. Only collectors write and read them, as they do their checkpoints.
 
-    >>> p = MetricPoint("gpu-1", "hw.gpu.utilization", {"hw.id": b"\\x01"}, 10, 0.5, MetricKind.GAUGE, "1", 5)
+    >>> p = MetricPoint("gpu-1", "hw.gpu.utilization", {"hw.id": "GPU-0", "lanes": (1, 2)}, 10, 0.5,
+    ...                 MetricKind.GAUGE, "1", 5)
     >>> unpack_points(pack_points([p])) == [p]
     True
     """

@@ -36,7 +36,6 @@ from collector.alerts.alerting import Alerting
 from collector.detection import detection_settings
 from collector.detector_metrics import DetectorMetrics
 from collector.spike_announcer import SpikeAnnouncer
-from collector.storage_health import StorageHealth
 from collector.telemetry import CollectorTelemetry
 from detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.config import Config
@@ -81,12 +80,11 @@ class DetectionLeader:
     name = "detection leader"
 
     def __init__(self, cfg: Config, engine: Engine, member: str, telemetry: CollectorTelemetry,
-                 health: StorageHealth, alerting: Alerting | None, links: Callable[[], str], *,
+                 alerting: Alerting | None, links: Callable[[], str], *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.engine = engine
         self.member = member
-        self.health = health
         self.alerting = alerting
         self.links = links
         self.clock = clock
@@ -107,6 +105,7 @@ class DetectionLeader:
         self._waiting: dict[str, deque[_Row]] = {}
         self._open_windows = 0
         self._last_input = clock()
+        self._campaign_error: str | None = None  # the kind of the last failure, logged once while it repeats
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spikehound-leader")
@@ -140,12 +139,17 @@ class DetectionLeader:
                 conn = await self._run(self._connect)
                 if await self._run(cluster.try_lead, conn):
                     await self._lead(conn)
+                self._campaign_error = None
             except LostLead as exc:
                 log.warning("no longer the detection leader: %s", exc)
-            except Exception as exc:  # the database away: try again; never die of it
+            except Exception as exc:  # its session ended, or the database is away: campaign again; never die
+                # Not a storage outage of this member's: its own writes tell the pipeline that, if it is one.
                 if self.leading:
                     log.warning("no longer the detection leader: %s: %s", exc.__class__.__name__, exc)
-                self.health.note("cluster leadership", exc)
+                elif self._campaign_error != exc.__class__.__name__:
+                    log.warning("cannot campaign for the detection leader's lock (tried again every %g s): %s: %s",
+                                self.cfg.cluster.heartbeat_seconds, exc.__class__.__name__, exc)
+                self._campaign_error = exc.__class__.__name__
             finally:
                 if self.leading:
                     await self._step_down()
