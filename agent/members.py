@@ -86,7 +86,8 @@ class Router:
         self.resolve_seconds = resolve_seconds
         self.reroute_after = reroute_after
         self._clock = clock
-        self.sticky = StickyMap(sticky_seconds, clock=clock)
+        # A fixed list never changes: nothing to keep traces across, so no map to fill.
+        self.sticky = StickyMap(sticky_seconds if source.kind != "static" else 0, clock=clock)
         self.members: dict[str, Member] = {}  # active and departed members by key
         self._active: list[str] = []
         self._ring: Rendezvous | None = None
@@ -99,6 +100,7 @@ class Router:
         self.membership_changes = 0
         self.resolve_failures = 0
         self.rerouted_requests = 0
+        self.tend_errors = 0  # failures (bugs) of the membership upkeep, logged once
         self.refused: Counter[str] = Counter()  # member -> requests pushed back for want of its room
 
     # --- start ------------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ class Router:
             log.warning("no collector to forward to yet (%s); local senders are pushed back until there is one",
                         self._describe())
         for endpoint in endpoints:
-            self._add(endpoint.key)
+            self._add(endpoint.key, at_start=True)
         self._set_ring()
         self._adopt_leftovers()
         self._next_resolve = self._clock() + self.resolve_seconds
@@ -139,8 +141,9 @@ class Router:
         if self._running:
             self._start_task(member)
 
-    def _add(self, key: str) -> bool:
-        """Make ``key`` an active member (reviving a departed one); False when its spool cannot be opened."""
+    def _add(self, key: str, at_start: bool = False) -> bool:
+        """Make ``key`` an active member (reviving a departed one); False when its spool cannot be opened
+        (raised at start, where an unusable spool directory stops the agent as it always did)."""
         member = self.members.get(key)
         if member is not None:  # came back before it was drained
             member.removed_at = None
@@ -152,6 +155,8 @@ class Router:
                 member = self._open(key, directory, forward=True)
                 _write_endpoint(directory, key)
             except OSError as exc:
+                if at_start:
+                    raise
                 log.error("cannot open the spool of collector %s in %s (%s); it is left out of the membership "
                           "until the next lookup", key, directory, exc)
                 return False
@@ -322,11 +327,17 @@ class Router:
                     task = member.task
                     if task is not None and task.done() and not task.cancelled():  # a bug: fail the agent
                         raise task.exception() or RuntimeError(f"forwarder to {member.key} ended")
-                if self.source.kind != "static" and self._clock() >= self._next_resolve:
-                    await self.refresh()
-                    wait = self.resolve_seconds if self._active else min(self.resolve_seconds, EMPTY_RETRY_SECONDS)
-                    self._next_resolve = self._clock() + wait
-                await self.tend()
+                try:
+                    if self.source.kind != "static" and self._clock() >= self._next_resolve:
+                        await self.refresh()
+                        wait = self.resolve_seconds if self._active else min(self.resolve_seconds,
+                                                                             EMPTY_RETRY_SECONDS)
+                        self._next_resolve = self._clock() + wait
+                    await self.tend()
+                except Exception:  # a bug here must not stop forwarding: say so once, try again next time
+                    self.tend_errors += 1
+                    if self.tend_errors == 1:
+                        log.exception("collector membership upkeep failed; forwarding goes on")
         finally:
             self._running = False
             await asyncio.gather(*(self._stop_task(m) for m in self.members.values()))
