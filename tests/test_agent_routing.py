@@ -30,8 +30,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from agent.intake import partition_request
 from agent.members import MEMBERS_DIR, Router
-from agent.routing import Rendezvous, StickyMap, safe_name
-from agent.spool import Item, Signal
+from agent.routing import MembershipError, Rendezvous, StickyMap, resolve, safe_name
+from agent.spool import DiskSpool, Item, Signal
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.ports import free_port
 from harness.waiting import eventually
@@ -226,6 +226,59 @@ def test_a_bad_or_empty_membership_file_keeps_the_last_good_one(tmp_path, caplog
     with caplog.at_level("WARNING", logger="spikehound.agent.members"):
         asyncio.run(scenario())
     assert len([r for r in caplog.records if "keeping the last good one" in r.getMessage()]) == 1  # one episode
+
+
+def test_spools_keep_their_place_across_a_change_between_one_endpoint_and_many(tmp_path):
+    a, b, c = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    spool_dir = tmp_path / "spool"
+    old = DiskSpool(spool_dir, 1 << 24)  # what an agent from before routing left: the spool directory itself
+    old.extend([_trace_item([os.urandom(16)]) for _ in range(5)])
+    old.close()
+
+    async def start(collector: str) -> Router:
+        router = Router(parse_collectors(collector), spool_dir, host=HOST, memory_bytes=1 << 20,
+                        spool_max_bytes=1 << 24, sticky_seconds=0)
+        await router.start()
+        return router
+
+    async def stop(router: Router) -> None:
+        router.spill_memory()
+        await router.close_forwarders()
+        router.close()
+
+    async def scenario() -> None:
+        one = await start(a)  # one endpoint: the old spool is its spool, replayed first
+        assert [(m.key, m.directory, len(m.queue)) for m in one.members.values()] == [(a, spool_dir, 5)]
+        await stop(one)
+
+        many = await start(f"{b},{c}")  # now a list: what a single-endpoint agent spooled is no member's
+        assert (spool_dir / "endpoint").read_text() == f"{a}\n"
+        assert {k: m.state for k, m in many.members.items()} == {b: "active", c: "active", a: "departing"}
+        assert many.put_all([_trace_item([os.urandom(16) for _ in range(10)])])
+        assert {m.directory for m in many.active} == {spool_dir / MEMBERS_DIR / safe_name(k) for k in (b, c)}
+        await stop(many)
+
+        # One endpoint again: the spool directory is b's, as it always was (a's five records in it go to b);
+        # c's spool goes to c while it answers, b's spool of the list is moved into b's queue.
+        back = await start(b)
+        states = {k: (m.state, m.forwarder is not None) for k, m in back.members.items()}
+        leftover = [k for k in states if k.endswith("(left over)")]
+        assert states == {b: ("active", True), c: ("departing", True), leftover[0]: ("rerouting", False)}
+        assert back.members[b].directory == spool_dir and len(back.members[b].queue) == 5
+        held = len(back.members[leftover[0]].queue)
+        await back.tend()
+        assert leftover[0] not in back.members and back.rerouted_requests == held
+        assert len(back.members[b].queue) == 5 + held
+        await stop(back)
+
+    asyncio.run(scenario())
+
+
+def test_a_dns_name_resolves_to_every_address_and_a_bad_one_is_an_error():
+    found = resolve(parse_collectors("dns:///localhost:4317"))
+    assert "127.0.0.1:4317" in [e.key for e in found]
+    with pytest.raises(MembershipError):
+        resolve(parse_collectors("dns:///no-such-host.invalid:4317"))
 
 
 def test_the_sticky_map_forgets_after_its_time_and_evicts_the_oldest_when_full():
