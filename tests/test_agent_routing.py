@@ -200,6 +200,30 @@ def test_after_a_membership_change_known_traces_keep_their_member_and_a_silent_d
     asyncio.run(scenario())
 
 
+def test_a_request_is_queued_all_or_none_and_pushed_back_when_one_owner_has_no_room(tmp_path):
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    ring = Rendezvous([a, b])
+    to_a = [t for t in (os.urandom(16) for _ in range(200)) if ring.owner(t) == a]
+    to_b = [t for t in (os.urandom(16) for _ in range(200)) if ring.owner(t) == b]
+
+    async def scenario() -> None:
+        router = Router(parse_collectors(f"{a},{b}"), tmp_path / "spool", host=HOST, memory_bytes=16_000,
+                        spool_max_bytes=8_000)
+        await router.start()
+        queue_a, queue_b = router.members[a].queue, router.members[b].queue
+        while router.put_all([_trace_item([to_a.pop()])]):  # fill a: its memory share, then the shared spool
+            pass
+        assert router.refused == {a: 1} and len(queue_b) == 0
+        assert not router.put_all([_trace_item([to_a.pop(), to_b.pop()])])  # b has room, a has none: neither
+        assert len(queue_b) == 0 and router.refused == {a: 2}
+        assert router.put_all([_trace_item([to_b.pop()])])  # b alone still flows
+        assert len(queue_b) == 1
+        await router.close_forwarders()
+        router.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_bad_or_empty_membership_file_keeps_the_last_good_one(tmp_path, caplog):
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     members = tmp_path / "collectors"
