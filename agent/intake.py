@@ -175,6 +175,8 @@ def partition_request(payload: bytes, owner_of: Callable[[bytes], str]) -> dict[
 
 
 def _trace_id(span: memoryview) -> bytes:
+    if len(span) >= 18 and span[0] == 0x0A and span[1] == 16:  # as SDKs encode it: field 1 first, 16 bytes
+        return bytes(span[2:18])
     for f in fields(span):
         if f.number == 1 and f.wire == LEN:  # Span.trace_id, first as every SDK encodes it
             return bytes(span[f.value:f.end])
@@ -190,7 +192,11 @@ def _partition(msg: memoryview, shape: Shape, owner_of: Callable[[memoryview], s
     groups: dict[str, list[tuple[bytes | memoryview, int]]] = {}
     kept = True  # every entry went whole to one owner
     for f in nested:
-        parts = _partition(msg[f.value:f.end], shape[f.number], owner_of)
+        child = shape[f.number]
+        if not child:  # a span: no message of its own to build
+            groups.setdefault(owner_of(msg[f.value:f.end]), []).append((msg[f.start:f.end], 1))
+            continue
+        parts = _partition(msg[f.value:f.end], child, owner_of)
         if len(parts) == 1:
             ((owner, (_, n)),) = parts.items()
             groups.setdefault(owner, []).append((msg[f.start:f.end], n))

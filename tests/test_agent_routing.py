@@ -213,6 +213,7 @@ def test_a_request_is_queued_all_or_none_and_pushed_back_when_one_owner_has_no_r
         queue_a, queue_b = router.members[a].queue, router.members[b].queue
         while router.put_all([_trace_item([to_a.pop()])]):  # fill a: its memory share, then the shared spool
             pass
+        assert queue_a.memory_items and len(queue_a.spool)
         assert router.refused == {a: 1} and len(queue_b) == 0
         assert not router.put_all([_trace_item([to_a.pop(), to_b.pop()])])  # b has room, a has none: neither
         assert len(queue_b) == 0 and router.refused == {a: 2}
