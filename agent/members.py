@@ -119,7 +119,10 @@ class Router:
             self._add(endpoint.key, at_start=True)
         self._set_ring()
         self._adopt_leftovers()
-        self._next_resolve = self._clock() + self.resolve_seconds
+        self._next_resolve = self._clock() + self._resolve_wait()
+
+    def _resolve_wait(self) -> float:
+        return self.resolve_seconds if self._active else min(self.resolve_seconds, EMPTY_RETRY_SECONDS)
 
     def _describe(self) -> str:
         s = self.source
@@ -330,9 +333,7 @@ class Router:
                 try:
                     if self.source.kind != "static" and self._clock() >= self._next_resolve:
                         await self.refresh()
-                        wait = self.resolve_seconds if self._active else min(self.resolve_seconds,
-                                                                             EMPTY_RETRY_SECONDS)
-                        self._next_resolve = self._clock() + wait
+                        self._next_resolve = self._clock() + self._resolve_wait()
                     await self.tend()
                 except Exception:  # a bug here must not stop forwarding: say so once, try again next time
                     self.tend_errors += 1
