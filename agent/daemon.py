@@ -19,9 +19,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.enrich import Enricher, machine_id
-from agent.forward_queue import ForwardQueue
-from agent.forwarder import Forwarder, channel_credentials
-from agent.intake import Intake
+from agent.forwarder import channel_credentials
+from agent.intake import DropLog, Intake
+from agent.members import Router
 from agent.metrics_out import MetricsBridge
 from agent.otlp_grpc import start_grpc
 from agent.otlp_http import http_app
@@ -31,11 +31,12 @@ from agent.samplers.network import NetworkSampler
 from agent.samplers.nvml import NvmlSampler
 from agent.sampling import Sampler, SamplingLoop
 from agent.services import ServiceMap
-from agent.spool import DiskSpool, Item, Signal, SpoolWriteError
+from agent.spool import Item, Signal, SpoolWriteError
 from agent.telemetry import AgentMetrics, registry_for
 from spikehound import __version__
 from spikehound.components import ComponentStack, Stage
 from spikehound.config import SECTIONS, Config
+from spikehound.endpoints import parse_collectors
 from spikehound.grpc_server import GrpcServer
 from spikehound.http_server import HttpServer
 from spikehound.live_config import AGENT_LIVE_KEYS, apply_live
@@ -84,12 +85,17 @@ class Agent:
         loop = asyncio.get_running_loop()
         self._failed = loop.create_future()
         spool_dir = Path(a.spool_dir or Path(cfg.data_dir) / "spool")
-        self.queue = ForwardQueue(a.memory_queue_bytes, DiskSpool(spool_dir, a.spool_max_bytes))
-        if len(self.queue.spool):
-            log.info("%d requests (%d bytes) spooled on disk from an earlier run; forwarding them first",
-                     len(self.queue.spool), self.queue.spool.bytes_used)
         self.sampling = SamplingLoop(self._samplers if self._samplers is not None else default_samplers(cfg))
         host = a.host_name or socket.gethostname()
+        drop_log = DropLog()
+        # One forward queue, spool and forwarder per collector; traces are routed whole to one of them.
+        self.router = Router(parse_collectors(a.collector), spool_dir, host=host, memory_bytes=a.memory_queue_bytes,
+                             spool_max_bytes=a.spool_max_bytes, token=a.collector_token,
+                             credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
+                                                             a.collector_key_file),
+                             drop_log=drop_log, sticky_seconds=a.route_sticky_seconds,
+                             resolve_seconds=a.collector_resolve_seconds)
+        await self.router.start()
         gpu_ids = [g["hw.id"] for s in self.sampling.samplers if isinstance(s, NvmlSampler) for g in s.gpus]
         identity: dict[str, Any] = {"host.name": host, "host.id": machine_id(), "nvidia.gpu.uuids": gpu_ids}
         self.services = ServiceMap()
@@ -98,14 +104,10 @@ class Agent:
         services = self.services if self.profiler is not None else None
         # A resource's process.pid is weighed against the socket table, per connection, by the intake (not by
         # the enricher, which sees a resource without the connection it came by).
-        self.intake = Intake(Enricher(identity), self.queue, services=services)
+        self.intake = Intake(Enricher(identity), self.router, drop_log=drop_log, services=services)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
-        self.forwarder = Forwarder(self.queue, a.collector, a.collector_token, drop_log=self.intake.drop_log,
-                                   credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
-                                                                   a.collector_key_file))
-        registry = registry_for(AgentMetrics(self.intake, self.queue, self.forwarder, self.sampling, self.bridge,
-                                             self.profiler))
+        registry = registry_for(AgentMetrics(self.intake, self.router, self.sampling, self.bridge, self.profiler))
         self._metrics = HttpServer(_metrics_app(registry, lambda: self._running), a.metrics_listen, "agent /metrics")
         self._http = HttpServer(http_app(self.intake, a.max_request_bytes), a.otlp_http, "OTLP/HTTP")
         self._grpc = GrpcServer("OTLP/gRPC", functools.partial(start_grpc, self.intake, a.otlp_grpc,
@@ -137,11 +139,11 @@ class Agent:
             return {pid: str(attributes.get("process.executable.name", ""))
                     for pid, attributes in cpu.processes.items()}
 
-        return Profiler(processes, self.queue, host, services=self.services, rate_hz=a.profile_rate_hz,
+        return Profiler(processes, self.router, host, services=self.services, rate_hz=a.profile_rate_hz,
                         window_seconds=a.profile_window_seconds, threads=a.profile_threads)
 
     async def _start_tasks(self) -> None:
-        tasks = [(self.forwarder.run(), "forwarder"), (self._sample_forever(), "sampling")]
+        tasks = [(self.router.run(), "forwarders"), (self._sample_forever(), "sampling")]
         if self.profiler is not None:
             tasks.append((self.profiler.run(), "profiler"))
         for coro, name in tasks:
@@ -160,23 +162,23 @@ class Agent:
             await self.profiler.aclose()
 
     async def _drain_forwarder(self) -> None:
-        await self._drain(self.cfg.agent.drain_seconds)
-        await self.forwarder.close()
+        await self.router.drain(self.cfg.agent.drain_seconds)
+        await self.router.close_forwarders()
 
     async def _spool_queue(self) -> None:
-        left = self.queue.spill_memory()
+        left = self.router.spill_memory()
         if left:
             log.error("spool full or not writable at shutdown: %d queued requests could not be kept", left)
-        if len(self.queue.spool):
-            log.info("%d requests left in the disk spool for the next start", len(self.queue.spool))
-        self.queue.close()
+        if self.router.spool_requests:
+            log.info("%d requests left in the disk spool for the next start", self.router.spool_requests)
+        self.router.close()
 
     async def _close_samplers(self) -> None:
         self.sampling.close()
 
     def _queue_own_metrics(self, payload: bytes, points: int) -> bool:
         try:
-            return self.queue.put(Item(Signal.METRICS, payload, points))
+            return self.router.put_all([Item(Signal.METRICS, payload, points)])
         except SpoolWriteError:  # logged and counted by the spool; the samples of this tick are lost
             return False
 
@@ -212,13 +214,6 @@ class Agent:
         self._stopping = True
         self._running = False  # /healthz: not ok while it drains and spools
         await self.components.stop()
-
-    async def _drain(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while self.queue.peek() is not None and time.monotonic() < deadline:
-            remaining = deadline - time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.forwarder.flush(timeout=max(remaining, 0.1)), remaining)
 
 
 def _metrics_app(registry: Any, running: Callable[[], bool]) -> web.Application:

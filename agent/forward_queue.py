@@ -28,12 +28,22 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Protocol
 
 from agent.spool import DiskSpool, Item, Signal
 from spikehound.config import CollectorConfig
 
 # The collector's own default collector.max_request_bytes: what the agent assumes until the collector says otherwise.
 COLLECTOR_MAX_REQUEST_BYTES = CollectorConfig().max_request_bytes
+
+
+class Sink(Protocol):
+    """Where the receivers, the profiler and the samplers queue requests: a ForwardQueue, or the Router."""
+
+    @property
+    def max_request_bytes(self) -> int: ...
+
+    def put_all(self, items: list[Item]) -> bool: ...
 
 
 class ForwardQueue:
@@ -59,6 +69,10 @@ class ForwardQueue:
 
     def __len__(self) -> int:
         return len(self._memory) + len(self.spool)
+
+    def has_room(self, size: int) -> bool:
+        """Whether ``put_all`` would take ``size`` bytes now (in memory or on disk)."""
+        return (not len(self.spool) and self._memory_used + size <= self.memory_bytes) or self.spool.has_room(size)
 
     def put(self, item: Item) -> bool:
         """Queue ``item``; False when neither memory nor the spool has room (push back).

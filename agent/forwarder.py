@@ -252,7 +252,7 @@ class Forwarder:
 
     def _went_through(self) -> None:
         if not self.stats.connected:
-            log.info("collector reachable; forwarding (%d requests queued)", len(self.queue))
+            log.info("collector %s reachable; forwarding (%d requests queued)", self.target, len(self.queue))
         self.stats.connected = True
         self._failures = 0
         self._on_change()
@@ -355,7 +355,8 @@ class Forwarder:
         for failure in failures:
             self.stats.failures[failure_reason(failure)] += 1
         if self.stats.connected:
-            log.info("collector answered %s (%s); queueing and retrying", exc.code().name, (exc.details() or "")[:200])
+            log.info("collector %s answered %s (%s); queueing and retrying", self.target, exc.code().name,
+                     (exc.details() or "")[:200])
         self.stats.connected = False
         self._stalled(reason, exc)
         wanted = max((retry_delay(failure) or 0.0 for failure in failures), default=0.0)

@@ -36,11 +36,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from agent.enrich import Enricher
-from agent.forward_queue import ForwardQueue
+from agent.forward_queue import Sink
 from agent.services import ServiceMap, claimed_pid
 from agent.spool import Item, Signal, SpoolWriteError
 from spikehound.otlp import PayloadError, parse_metrics_request, parse_trace_request
-from spikehound.protowire import LEN, WireError, encode_varint, fields
+from spikehound.protowire import LEN, Field, WireError, encode_varint, fields
 
 log = logging.getLogger("spikehound.agent.intake")
 
@@ -115,13 +115,10 @@ def _cut(msg: memoryview, shape: Shape, limit: int, dropped: list[Dropped],
     if not shape:
         dropped.append(Dropped(sender or "unknown", 1, len(msg)))
         return []
-    parts = list(fields(msg))
-    header = [msg[f.start:f.end] for f in parts if not (f.wire == LEN and f.number in shape)]
+    header, nested = _layout(msg, shape)
     room = limit - sum(len(h) for h in header)
     entries: list[tuple[bytes | memoryview, int]] = []
-    for f in parts:
-        if f.wire != LEN or f.number not in shape:
-            continue
+    for f in nested:
         child, value = shape[f.number], msg[f.value:f.end]
         if f.end - f.start <= room:
             entries.append((msg[f.start:f.end], _count(value, child)))
@@ -134,6 +131,86 @@ def _cut(msg: memoryview, shape: Shape, limit: int, dropped: list[Dropped],
             continue
         entries += [(key + encode_varint(len(sub)) + sub, n) for sub, n in _cut(value, child, inner, dropped, who)]
     return _pack(b"".join(header), entries, limit)
+
+
+def _layout(msg: memoryview, shape: Shape) -> tuple[list[memoryview], list[Field]]:
+    """The fields of ``msg`` every piece of it repeats (its header), and its entries (the fields ``shape`` nests)."""
+    header: list[memoryview] = []
+    nested: list[Field] = []
+    for f in fields(msg):
+        if f.wire == LEN and f.number in shape:
+            nested.append(f)
+        else:
+            header.append(msg[f.start:f.end])
+    return header, nested
+
+
+def partition_request(payload: bytes, owner_of: Callable[[bytes], str]) -> dict[str, tuple[bytes, int]]:
+    """A trace request as one request per owner of its spans' trace ids: owner -> (request, spans).
+
+    ``owner_of`` is asked once per distinct trace id. Each piece repeats the resource and scope of what it
+    holds, in order; a resource or scope whose spans all have one owner is kept as it was encoded, and so
+    is the whole request when it has one owner. Raises WireError or IndexError on an encoding it cannot walk.
+
+    >>> from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    >>> req = ExportTraceServiceRequest()
+    >>> scope = req.resource_spans.add().scope_spans.add()
+    >>> for trace in (b"a", b"b", b"a"):
+    ...     _ = scope.spans.add(trace_id=trace * 16, name="x")
+    >>> pieces = partition_request(req.SerializeToString(), lambda trace_id: trace_id[:1].decode())
+    >>> {owner: n for owner, (_, n) in pieces.items()}
+    {'a': 2, 'b': 1}
+    """
+    owners: dict[bytes, str] = {}
+
+    def span_owner(span: memoryview) -> str:
+        trace_id = _trace_id(span)
+        owner = owners.get(trace_id)
+        if owner is None:
+            owner = owners[trace_id] = owner_of(trace_id)
+        return owner
+
+    return {owner: (bytes(piece), n)
+            for owner, (piece, n) in _partition(memoryview(payload), _SHAPES[Signal.TRACES], span_owner).items()}
+
+
+def _trace_id(span: memoryview) -> bytes:
+    if len(span) >= 18 and span[0] == 0x0A and span[1] == 16:  # as SDKs encode it: field 1 first, 16 bytes
+        return bytes(span[2:18])
+    for f in fields(span):
+        if f.number == 1 and f.wire == LEN:  # Span.trace_id, first as every SDK encodes it
+            return bytes(span[f.value:f.end])
+    return b""
+
+
+def _partition(msg: memoryview, shape: Shape, owner_of: Callable[[memoryview], str]
+               ) -> dict[str, tuple[bytes | memoryview, int]]:
+    """``msg`` as one message per owner of its leaves, each with the header of ``msg``."""
+    if not shape:
+        return {owner_of(msg): (msg, 1)}
+    header, nested = _layout(msg, shape)
+    groups: dict[str, list[tuple[bytes | memoryview, int]]] = {}
+    kept = True  # every entry went whole to one owner
+    for f in nested:
+        child = shape[f.number]
+        if not child:  # a span: no message of its own to build
+            groups.setdefault(owner_of(msg[f.value:f.end]), []).append((msg[f.start:f.end], 1))
+            continue
+        parts = _partition(msg[f.value:f.end], child, owner_of)
+        if len(parts) == 1:
+            ((owner, (_, n)),) = parts.items()
+            groups.setdefault(owner, []).append((msg[f.start:f.end], n))
+            continue
+        kept = False
+        key = encode_varint(f.number << 3 | LEN)
+        for owner, (sub, n) in parts.items():
+            groups.setdefault(owner, []).append((key + encode_varint(len(sub)) + sub, n))
+    if kept and len(groups) == 1:
+        ((owner, entries),) = groups.items()
+        return {owner: (msg, sum(n for _, n in entries))}
+    head = b"".join(header)
+    return {owner: (b"".join([head, *(e for e, _ in entries)]), sum(n for _, n in entries))
+            for owner, entries in groups.items()}
 
 
 def _pack(header: bytes, entries: list[tuple[bytes | memoryview, int]], limit: int) -> list[tuple[bytes, int]]:
@@ -248,7 +325,7 @@ class Accepted:
 
 
 class Intake:
-    def __init__(self, enricher: Enricher, queue: ForwardQueue, drop_log: DropLog | None = None,
+    def __init__(self, enricher: Enricher, queue: Sink, drop_log: DropLog | None = None,
                  services: ServiceMap | None = None) -> None:
         """``services`` learns which local process sends which service (for the profiler)."""
         self.enricher = enricher

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.forward_queue import ForwardQueue
+from agent.forward_queue import Sink
 from agent.services import ServiceMap
 from agent.spool import Item, Signal, SpoolWriteError
 from spikehound.model import Frame, ProfileStack
@@ -211,7 +211,7 @@ class Profiler:
     Run ``run()`` as a task (cancel to stop: children are killed); ``window()`` takes one window, for tests.
     """
 
-    def __init__(self, processes: Callable[[], Mapping[int, str]], queue: ForwardQueue, host: str, *,
+    def __init__(self, processes: Callable[[], Mapping[int, str]], queue: Sink, host: str, *,
                  services: ServiceMap | None = None, rate_hz: int = DEFAULT_RATE_HZ,
                  window_seconds: float = DEFAULT_WINDOW_SECONDS, threads: str = "gil", py_spy: str | None = None,
                  max_stacks: int = MAX_STACKS, retry_seconds: float = RETRY_SECONDS,

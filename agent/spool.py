@@ -105,12 +105,26 @@ def _parse_header(raw: bytes) -> tuple[int, int, int, int] | None:
     return (length, signal, count, crc) if signal in _SIGNALS else None
 
 
-class DiskSpool:
-    """FIFO of Items on disk, at most ``max_bytes`` of unsent records; not thread-safe."""
+class SpoolBudget:
+    """One cap on the unsent bytes of several spools (the agent's per-collector spools share agent.spool_max_bytes)."""
 
-    def __init__(self, directory: Path, max_bytes: int, segment_bytes: int = 16 << 20) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.spools: list[DiskSpool] = []
+
+    @property
+    def used(self) -> int:
+        return sum(spool.reserved_bytes for spool in self.spools)
+
+
+class DiskSpool:
+    """FIFO of Items on disk, at most ``max_bytes`` of unsent records (and within ``budget``); not thread-safe."""
+
+    def __init__(self, directory: Path, max_bytes: int, segment_bytes: int = 16 << 20,
+                 budget: SpoolBudget | None = None) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        self.budget = budget
         self.segment_bytes = segment_bytes
         self.corrupt_records = 0  # damaged records or stretches skipped
         self.skipped_bytes = 0  # bytes of them
@@ -128,6 +142,8 @@ class DiskSpool:
         self._write_failing = False
         self._cursor_failing = False
         self._recover()
+        if budget is not None:
+            budget.spools.append(self)
 
     def _find_segments(self) -> set[int]:
         found: dict[int, Path] = {}
@@ -226,7 +242,14 @@ class DiskSpool:
 
     # --- writing --------------------------------------------------------------------------------
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Unsent bytes as counted against the cap (no file system calls, unlike ``bytes_used``)."""
+        return self._used
+
     def has_room(self, size: int) -> bool:
+        if self.budget is not None and self.budget.used + size > self.budget.max_bytes:
+            return False
         return self._used + size <= self.max_bytes
 
     def append(self, item: Item) -> bool:
@@ -472,7 +495,9 @@ class DiskSpool:
         self._cursor_failing = False
 
     def close(self) -> None:
-        """Flush to stable storage and close the files."""
+        """Flush to stable storage and close the files (and leave the shared budget)."""
+        if self.budget is not None and self in self.budget.spools:
+            self.budget.spools.remove(self)
         if self._writer is not None:
             try:
                 os.fsync(self._writer.fileno())

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.forward_queue import ForwardQueue
-from agent.forwarder import REASONS, Forwarder
+from agent.forwarder import REASONS
 from agent.intake import Intake
+from agent.members import Router
 from agent.metrics_out import MetricsBridge
 from agent.profiler import FAILURES, Profiler
 from agent.sampling import SamplingLoop
@@ -24,9 +24,12 @@ _SIGNALS = {Signal.TRACES: "spans", Signal.METRICS: "metrics", Signal.PROFILES: 
 
 
 class AgentMetrics(Collector):
-    def __init__(self, intake: Intake, queue: ForwardQueue, forwarder: Forwarder, sampling: SamplingLoop,
-                 bridge: MetricsBridge, profiler: Profiler | None = None) -> None:
-        self.intake, self.queue, self.forwarder, self.sampling, self.bridge = intake, queue, forwarder, sampling, bridge
+    """Totals over the collectors the agent forwards to keep the names they had with one collector; the
+    ``collector``-labelled series and ``spikehound_agent_collector_members`` break them down."""
+
+    def __init__(self, intake: Intake, router: Router, sampling: SamplingLoop, bridge: MetricsBridge,
+                 profiler: Profiler | None = None) -> None:
+        self.intake, self.router, self.sampling, self.bridge = intake, router, sampling, bridge
         self.profiler = profiler
 
     def collect(self) -> Iterator[Metric]:
@@ -54,7 +57,7 @@ class AgentMetrics(Collector):
         split = CounterMetricFamily("spikehound_agent_split_requests", "Requests cut into several because they were "
                                     "larger than the collector accepts (see spikehound_agent_forward_max_request_"
                                     "bytes).", labels=["signal"])
-        stats = self.forwarder.stats
+        stats = self.router.stats()
         for signal, name in _SIGNALS.items():
             forwarded.add_metric([name], stats.forwarded[signal])
             requests.add_metric([name], stats.requests[signal])
@@ -71,7 +74,7 @@ class AgentMetrics(Collector):
             invalid.add_metric([protocol], n)
         yield invalid
         yield CounterMetricFamily("spikehound_agent_spilled_requests", "Requests written to the disk spool.",
-                                  value=self.queue.spilled_items)
+                                  value=self.router.spilled_items)
         yield CounterMetricFamily("spikehound_agent_forward_retries", "Failed forwarding attempts that will be "
                                   "retried.", value=stats.retries)
         failures = CounterMetricFamily("spikehound_agent_forward_failures", "Forwarding attempts that failed, by "
@@ -83,27 +86,27 @@ class AgentMetrics(Collector):
         yield failures
         yield GaugeMetricFamily("spikehound_agent_forward_stalled_seconds", "Seconds forwarding has failed without "
                                 "anything reaching the collector; 0 while it flows. The agent's log says why.",
-                                value=self.forwarder.stalled_seconds)
+                                value=self.router.stalled_seconds)
         yield GaugeMetricFamily("spikehound_agent_forward_max_request_bytes", "Largest request the agent sends: the "
                                 "collector's default limit, or the lower one it named when it refused a request.",
-                                value=self.queue.max_request_bytes)
-        yield GaugeMetricFamily("spikehound_agent_queue_memory_bytes", "Bytes waiting in the memory queue.",
-                                value=self.queue.memory_used)
-        yield GaugeMetricFamily("spikehound_agent_spool_bytes", "Bytes waiting in the disk spool.",
-                                value=self.queue.spool.bytes_used)
-        yield GaugeMetricFamily("spikehound_agent_spool_requests", "Requests waiting in the disk spool.",
-                                value=len(self.queue.spool))
-        spool = self.queue.spool
+                                value=self.router.max_request_bytes)
+        yield GaugeMetricFamily("spikehound_agent_queue_memory_bytes", "Bytes waiting in the memory queues.",
+                                value=self.router.memory_used)
+        yield GaugeMetricFamily("spikehound_agent_spool_bytes", "Bytes waiting in the disk spools.",
+                                value=self.router.spool_bytes)
+        yield GaugeMetricFamily("spikehound_agent_spool_requests", "Requests waiting in the disk spools.",
+                                value=self.router.spool_requests)
         yield CounterMetricFamily("spikehound_agent_spool_corrupt_records", "Damaged spool records skipped: a "
                                   "record failing its checksum, or a damaged stretch up to the next sound record.",
-                                  value=spool.corrupt_records)
+                                  value=self.router.spool_total("corrupt_records"))
         yield CounterMetricFamily("spikehound_agent_spool_skipped_bytes", "Bytes of damaged spool data skipped.",
-                                  value=spool.skipped_bytes)
+                                  value=self.router.spool_total("skipped_bytes"))
         yield CounterMetricFamily("spikehound_agent_spool_write_errors", "Appends to the disk spool that the disk "
                                   "refused (full, file too large); rolled back, the sender was told to retry.",
-                                  value=spool.write_errors)
-        yield GaugeMetricFamily("spikehound_agent_collector_up", "1 when the last forward attempt succeeded.",
-                                value=1 if self.forwarder.stats.connected else 0)
+                                  value=self.router.spool_total("write_errors"))
+        yield GaugeMetricFamily("spikehound_agent_collector_up", "1 when the last forward attempt to every "
+                                "collector succeeded.", value=1 if stats.connected else 0)
+        yield from self._members()
         runs = CounterMetricFamily("spikehound_agent_sampler_runs", "Sampler runs.", labels=["sampler"])
         errors = CounterMetricFamily("spikehound_agent_sampler_errors", "Sampler runs that failed.",
                                      labels=["sampler"])
@@ -117,6 +120,43 @@ class AgentMetrics(Collector):
             seconds.add_metric([name], health.total_seconds)
         yield from (runs, errors, timeouts, seconds)
         yield from self._profiler()
+
+    def _members(self) -> Iterator[Metric]:
+        r = self.router
+        yield GaugeMetricFamily("spikehound_agent_collector_members", "Collectors traces are routed over now.",
+                                value=len(r.active))
+        queued = GaugeMetricFamily("spikehound_agent_forward_queue_requests", "Requests queued (memory and spool) "
+                                   "for each collector; state: active, departing (left the membership, still "
+                                   "forwarded to), rerouting (left and silent: moved to the current members).",
+                                   labels=["collector", "state"])
+        queued_bytes = GaugeMetricFamily("spikehound_agent_forward_queue_bytes", "Bytes queued (memory and spool) "
+                                         "for each collector.", labels=["collector", "state"])
+        up = GaugeMetricFamily("spikehound_agent_collector_member_up", "1 when the last forward attempt to this "
+                               "collector succeeded.", labels=["collector", "state"])
+        refused = CounterMetricFamily("spikehound_agent_route_refused_requests", "Requests pushed back because "
+                                      "this collector's queue and spool had no room (all pieces of a request or "
+                                      "none are queued).", labels=["collector"])
+        for key, member in sorted(r.members.items()):
+            labels = [key, member.state]
+            queued.add_metric(labels, len(member.queue))
+            queued_bytes.add_metric(labels, member.queue.memory_used + member.queue.spool.reserved_bytes)
+            up.add_metric(labels, 1 if member.forwarder is not None and member.forwarder.stats.connected else 0)
+        for key, n in sorted(r.refused.items()):
+            refused.add_metric([key], n)
+        yield from (queued, queued_bytes, up, refused)
+        yield CounterMetricFamily("spikehound_agent_membership_changes", "Changes of the collector membership "
+                                  "(dns:/// or file:///), each logged once with the members added and removed.",
+                                  value=r.membership_changes)
+        yield CounterMetricFamily("spikehound_agent_membership_resolve_failures", "Lookups of the membership that "
+                                  "failed or named no collector; the last good membership stood.",
+                                  value=r.resolve_failures)
+        yield GaugeMetricFamily("spikehound_agent_route_sticky_traces", "Traces the sticky map keeps on their "
+                                "collector across a membership change.", value=len(r.sticky))
+        yield CounterMetricFamily("spikehound_agent_route_sticky_evictions", "Traces forgotten by the sticky map "
+                                  "before their time because it was full.", value=r.sticky.evictions)
+        yield CounterMetricFamily("spikehound_agent_rerouted_requests", "Requests moved off a collector that left "
+                                  "the membership and stopped answering, routed by trace over the current ones.",
+                                  value=r.rerouted_requests)
 
     def _profiler(self) -> Iterator[Metric]:
         p = self.profiler

@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run the per-host agent (GPU/CPU/network samplers, local OTLP receiver, "
                                      "loss-free forwarding)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (default: $SPIKEHOUND_CONFIG)")
-    p.add_argument("--collector", metavar="URL", help="collector OTLP/gRPC endpoint (default 127.0.0.1:4317)")
+    p.add_argument("--collector", metavar="URL", help="collector OTLP/gRPC endpoint (default 127.0.0.1:4317); several "
+                   "as a comma-separated list, dns:///NAME:PORT or file:///PATH, each trace routed whole to one")
     p.add_argument("--otlp-grpc", metavar="HOST:PORT", help="local OTLP/gRPC listen address (default 127.0.0.1:4317)")
     p.add_argument("--otlp-http", metavar="HOST:PORT", help="local OTLP/HTTP listen address (default 127.0.0.1:4318)")
     p.add_argument("--interval", metavar="SECONDS", help="sampling interval (default 1)")

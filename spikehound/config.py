@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+from spikehound.endpoints import parse_collectors
 from spikehound.model import CauseKind
 
 ENV_PREFIX = "SPIKEHOUND_"
@@ -169,8 +170,14 @@ class CollectorConfig:
 class AgentConfig:
     """The per-host agent: samplers, local receivers, forwarding."""
 
-    # Collector OTLP/gRPC endpoint: host:port, http://host:port or https://host:port (TLS).
+    # Collector OTLP/gRPC endpoint: host:port, http://host:port or https://host:port (TLS); or several, each trace
+    # routed whole to one of them: a comma-separated list, dns:///name:port (every A/AAAA record) or file:///path
+    # (one endpoint a line), see docs/scale-out.md.
     collector: str = "127.0.0.1:4317"
+    # Seconds between lookups of a dns:/// name or re-reads of a file:/// list.
+    collector_resolve_seconds: float = 30.0
+    # After the collectors change, a trace seen this recently keeps its collector (0: new membership at once).
+    route_sticky_seconds: float = 60.0
     # Bearer token sent to the collector (its collector.otlp_token).
     collector_token: str = ""
     # PEM CA certificates that verify the collector (https:// only); empty: the public CAs gRPC ships with.
@@ -569,6 +576,7 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
         raise ConfigError(f"{named('collector.api')}: listening on {c.api} beyond loopback needs collector.api_token "
                           "(set SPIKEHOUND_COLLECTOR_API_TOKEN)")
     _check_profiling(cfg.agent, named)
+    _check_agent_collector(cfg.agent, named)
     for pattern in cfg.agent.process_patterns:
         try:
             re.compile(pattern)
@@ -617,6 +625,27 @@ def _check_profiling(a: AgentConfig, named: Callable[[str], str]) -> None:
     if not 1 <= window <= 3600 or window != int(window):
         raise ConfigError(f"{named('agent.profile_window_seconds')}: must be a whole number of seconds from 1 to "
                           f"3600 (py-spy records whole seconds), got {window}")
+
+
+def _check_agent_collector(a: AgentConfig, named: Callable[[str], str]) -> None:
+    try:
+        parse_collectors(a.collector)
+    except ValueError as exc:
+        raise ConfigError(f"{named('agent.collector')}: {exc}") from None
+    if not a.collector_resolve_seconds > 0:
+        raise ConfigError(f"{named('agent.collector_resolve_seconds')}: must be greater than 0, "
+                          f"got {a.collector_resolve_seconds}")
+    if not a.route_sticky_seconds >= 0:
+        raise ConfigError(f"{named('agent.route_sticky_seconds')}: must not be negative, got {a.route_sticky_seconds}")
+
+
+def _may_use_tls(collector: str) -> bool:
+    """Whether any endpoint of ``agent.collector`` can be https:// (a file's cannot be known before it is read)."""
+    try:
+        source = parse_collectors(collector)
+    except ValueError:
+        return False
+    return source.kind == "file" or any(e.tls for e in source.endpoints)
 
 
 def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:
@@ -685,7 +714,7 @@ def _check_tls(cfg: Config, named: Callable[[str], str]) -> None:
                         ("agent.collector_key_file", a.collector_key_file))
     _check_ca(named, "agent.collector_ca_file", a.collector_ca_file)
     for key in ("agent.collector_ca_file", "agent.collector_cert_file"):
-        if getattr(a, key.partition(".")[2]) and not a.collector.startswith("https://"):
+        if getattr(a, key.partition(".")[2]) and not _may_use_tls(a.collector):
             raise ConfigError(f"{named(key)}: needs TLS to the collector, but agent.collector ({a.collector}) is not "
                               "an https:// URL; write it as https://HOST:PORT")
 
