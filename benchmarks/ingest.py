@@ -366,7 +366,7 @@ async def _send(endpoint: str, workload: Workload, inflight: int, measure_at: fl
     return result
 
 
-def _sender_process(conn: Connection, endpoint: str, workload: Workload, inflight: int, measure_at: float,
+def sender_process(conn: Connection, endpoint: str, workload: Workload, inflight: int, measure_at: float,
                     end_at: float, offset: int) -> None:
     try:
         result = asyncio.run(_send(endpoint, workload, inflight, measure_at, end_at, offset))
@@ -467,7 +467,7 @@ class Collector:
             self.proc.wait(10)
 
 
-def _count_span_rows(db_url: str) -> int | None:
+def count_span_rows(db_url: str) -> int | None:
     """Spans held by the stored span blocks (None when they cannot be read, e.g. no schema yet)."""
     from sqlalchemy import text
 
@@ -523,7 +523,7 @@ class Results:
     collector_peak_rss_mb: float = 0.0  # its high-water mark (the kernel's VmHWM)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(max(math.ceil(q * len(ordered)) - 1, 0), len(ordered) - 1)] if ordered else 0.0
 
@@ -551,7 +551,7 @@ def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tu
     with tempfile.TemporaryDirectory(prefix="spikehound-bench-") as tmp:
         workdir = Path(tmp)
         db_url = args.db or f"sqlite:///{workdir / 'bench.db'}"
-        rows_before = (_count_span_rows(db_url) or 0) if args.db else 0
+        rows_before = (count_span_rows(db_url) or 0) if args.db else 0
         collector = Collector(db_url, workdir, settings or {})
         collector.start()
         res = Results(db=db_url.split("://", 1)[0], senders=args.senders, processes=processes, batch=args.batch,
@@ -560,7 +560,7 @@ def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tu
                       reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2),
                       settings=dict(settings or {}))
         load_and_stop(args, res, workload, collector, processes, failures)
-        rows = _count_span_rows(db_url)
+        rows = count_span_rows(db_url)
         if rows is not None:
             res.span_rows = rows - rows_before
             if res.span_rows < res.acked_spans:
@@ -592,7 +592,7 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
     procs = []
     for i, inflight in enumerate(per_process):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_sender_process, name=f"bench-sender-{i}",
+        p = ctx.Process(target=sender_process, name=f"bench-sender-{i}",
                         args=(child, collector.grpc_endpoint, workload, inflight, measure_at, end_at,
                               i * len(workload.bodies) // processes))
         p.start()
@@ -636,8 +636,8 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
     res.retries = sum(r.retries for r in results)
     res.calls = sum(r.calls for r in results)
     latencies = [x for r in results for x in r.latencies_ms]
-    res.latency_ms_p50 = round(_percentile(latencies, 0.50), 1)
-    res.latency_ms_p99 = round(_percentile(latencies, 0.99), 1)
+    res.latency_ms_p50 = round(percentile(latencies, 0.50), 1)
+    res.latency_ms_p99 = round(percentile(latencies, 0.99), 1)
     res.stored_spans_metric = int(collector.stored_spans())
     res.windows_closed = int(collector.metric("spikehound_latency_windows_closed_total"))
     res.late_spans = int(collector.metric("spikehound_latency_late_spans_total"))

@@ -22,7 +22,7 @@ a single collector *not* in cluster mode (the reference: detectors inline, no fe
 the same pre-encoded 7-span inference traces in ``--batch``-span requests with fresh trace ids each round,
 ``--senders`` export calls in flight from ``--processes`` sender processes (raw gRPC, retrying
 RESOURCE_EXHAUSTED / UNAVAILABLE), except that each request goes whole to one collector chosen by its first
-trace id (``harness.routed_load``), as agents routing by trace id keep each trace on one collector. After a
+trace id (``benchmarks.routed_load``), as agents routing by trace id keep each trace on one collector. After a
 warm-up, for ``--seconds``: acknowledged spans/s; each collector's CPU seconds (``/proc``); PostgreSQL's CPU
 seconds; the machine's busy seconds. Afterwards the collectors' ``spikehound_ingest_stored_total`` and the
 spans in the stored span blocks must be at least the acknowledged count, and the leader's
@@ -66,15 +66,15 @@ from benchmarks.ingest import (
     CALL_TIMEOUT_SECONDS,
     Collector,
     SenderResult,
-    _count_span_rows,
-    _percentile,
+    count_span_rows,
     decode_rate,
     machine_busy_seconds,
     make_workload,
+    percentile,
     process_cpu_seconds,
 )
+from benchmarks.routed_load import routed_sender_process
 from harness.pgserver import PostgresServer
-from harness.routed_load import routed_sender_process
 from harness.scrape import sample, scrape, total
 
 STORED = "spikehound_ingest_stored_total"
@@ -329,7 +329,7 @@ def run_configuration(args: argparse.Namespace, server: PostgresServer, workload
     finally:
         _stop(members, failures)
         shutil.rmtree(workdir, ignore_errors=True)
-    res.span_rows = _count_span_rows(url)
+    res.span_rows = count_span_rows(url)
     if res.span_rows is not None and res.span_rows < res.acked_spans:
         failures.append(f"{label}: only {res.span_rows:,} spans stored for {res.acked_spans:,} acknowledged")
     return res
@@ -369,8 +369,8 @@ def _figures(res: Run, members: Sequence[Member], leader: Member | None, s0: Sna
                 extra = cpu[i] - res.follower_cpu_us_per_span / 1e6 * per_member[i]
                 res.leader_detection_cpu_us_per_span = round(max(extra, 0.0) / fed * 1e6, 1)
     lat = [x for r in results for x in r.latencies_ms]
-    res.latency_ms_p50 = round(_percentile(lat, 0.50), 1)
-    res.latency_ms_p99 = round(_percentile(lat, 0.99), 1)
+    res.latency_ms_p50 = round(percentile(lat, 0.50), 1)
+    res.latency_ms_p99 = round(percentile(lat, 0.99), 1)
     res.retries = sum(r.retries for r in results)
     res.calls = sum(r.calls for r in results)
 

@@ -1,6 +1,6 @@
 """Load for several collectors at once: ``benchmarks.ingest``'s senders, each request routed by its trace id.
 
-``routed_sender_process`` is :func:`benchmarks.ingest._sender_process` (the same pre-encoded rounds, in-flight
+``routed_sender_process`` is :func:`benchmarks.ingest.sender_process` (the same pre-encoded rounds, in-flight
 calls, retries on RESOURCE_EXHAUSTED / UNAVAILABLE and accounting) with one difference: it is given several
 gRPC endpoints, and each export request goes whole to one of them, chosen by the request's first trace id
 (:func:`route`), as agents that route by trace id keep every trace on one collector. The workload's requests
@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
-from benchmarks.ingest import Workload, _sender_process
+from benchmarks.ingest import Workload, sender_process
 from spikehound.protowire import fields
 
 ENDPOINT_SEPARATOR = ","
@@ -99,4 +99,4 @@ def routed_sender_process(conn: Connection, endpoints: Sequence[str], workload: 
     """A load-generator process (``multiprocessing`` target, spawn context) over several collectors; sends
     its :class:`benchmarks.ingest.SenderResult` through ``conn`` when ``end_at`` has passed."""
     _install_routing()
-    _sender_process(conn, ENDPOINT_SEPARATOR.join(endpoints), workload, inflight, measure_at, end_at, offset)
+    sender_process(conn, ENDPOINT_SEPARATOR.join(endpoints), workload, inflight, measure_at, end_at, offset)
