@@ -344,6 +344,9 @@ class ClusterConfig:
     enabled: bool = False
     # This collector's name among them (letters, digits, "._:-"); empty: the host name and the OTLP/gRPC port.
     member: str = ""
+    # Whether this member may become the detection leader; false: it stores its share only (the leader decodes
+    # and judges every member's spans, so give that role to the members with a core to spare).
+    lead: bool = True
     # Seconds between a member's heartbeats, and between a follower's tries for the leader's lock.
     heartbeat_seconds: float = 1.0
     # A member silent this long is gone: the leader stops waiting for its data.

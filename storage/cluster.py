@@ -23,18 +23,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import Connection, Engine, case, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from spikehound.model import MetricKind, MetricPoint
 from storage import schema
 
-__all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "add_feed_row", "block_payloads", "heartbeat",
-           "last_seq", "load_cursors", "members", "pack_points", "pending_block_ids", "read_feed", "release_lead",
-           "save_cursors", "still_leading", "trim_feed", "try_lead", "unpack_points"]
+__all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "add_feed_row", "block_payloads", "claim_lead",
+           "depose_silent_leader", "heartbeat", "last_seq", "load_cursors", "members", "pack_points",
+           "pending_block_ids", "read_feed", "release_lead", "save_cursors", "still_leading", "trim_feed",
+           "try_lead", "unpack_points"]
 
 LEADER_LOCK = 0x5350_4B48_0002  # the detection leader's advisory lock ("SPKH" 2)
-_DB_NOW_NS = text("(extract(epoch from clock_timestamp()) * 1000000000)::bigint")
+_DB_NOW_SQL = "(extract(epoch from clock_timestamp()) * 1000000000)::bigint"
+_DB_NOW_NS = text(_DB_NOW_SQL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,33 @@ def try_lead(conn: Connection) -> bool:
     held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LEADER_LOCK}).scalar())
     conn.commit()
     return held
+
+
+def claim_lead(conn: Connection, member: str) -> None:
+    """Just after ``try_lead``: mark ``member``'s row as the leader's, with its session's backend pid."""
+    m = schema.cluster_members
+    conn.execute(m.update().values(leader_pid=case((m.c.member == member, func.pg_backend_pid()), else_=None)))
+    conn.commit()
+
+
+def depose_silent_leader(conn: Connection, timeout_s: float) -> str | None:
+    """End the session holding the leader's lock if the member it belongs to has not sent a heartbeat for
+    ``timeout_s``; the member's name when it did. A stopped or hung process keeps its session (the kernel
+    still answers for its socket), so the lock alone would never pass on. A session no member claims (an
+    operator's) is left alone."""
+    m = schema.cluster_members
+    found = conn.execute(text(
+        f"SELECT l.pid, m.member, ({_DB_NOW_SQL} - m.heartbeat_at) / 1e9 FROM pg_locks l "
+        "JOIN cluster_members m ON m.leader_pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.classid = :high AND l.objid = :low AND l.objsubid = 1"),
+        {"high": LEADER_LOCK >> 32, "low": LEADER_LOCK & 0xFFFFFFFF}).first()
+    conn.commit()
+    if found is None or found[2] <= timeout_s:
+        return None
+    conn.execute(select(func.pg_terminate_backend(found[0])))
+    conn.execute(m.update().where(m.c.member == found[1]).values(leader_pid=None))
+    conn.commit()
+    return str(found[1])
 
 
 def still_leading(conn: Connection) -> bool:

@@ -284,6 +284,9 @@ cluster_members = Table(
     Column("heartbeat_at", BigInteger, nullable=False),  # unix ns, database clock
     Column("fed_seq", BigInteger, nullable=False),  # its last feed row committed
     Column("api_url", String(255), nullable=False),
+    # The backend process id of the leader's session, on the leader's row only: a follower that finds the lock
+    # held by a member whose heartbeats stopped (a hung process keeps its session) ends that session.
+    Column("leader_pid", BigInteger, nullable=True),
 )
 
 # Where the detection leader's checkpoint stands in each member's feed (saved with the checkpoint).

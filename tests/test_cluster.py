@@ -7,7 +7,9 @@ are tests/test_scale_out.py's.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,9 @@ import pytest
 from sqlalchemy import text
 
 from harness.api_client import list_spikes
-from harness.daemons import CollectorThread, collector_config
+from harness.daemons import CollectorProcess, CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.config import ConfigError, load
 from spikehound.model import MetricKind, MetricPoint
@@ -210,3 +213,39 @@ def test_collectors_starting_together_migrate_the_database_once(pg_url: str):
 def test_a_cluster_setting_that_cannot_work_is_named(env: dict[str, str], message: str, tmp_path: Path):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load(env={"SPIKEHOUND_DATA_DIR": str(tmp_path), **env})
+
+
+@pytest.mark.slow
+def test_a_hung_leader_is_deposed_and_writes_nothing_when_it_wakes(pg_url: str, tmp_path: Path):
+    """SIGSTOP keeps the leader's database session (its kernel still answers for the socket), and with it the
+    lock: a follower that hears no heartbeat from it for cluster.member_timeout_seconds ends that session and
+    leads. Woken with SIGCONT, the old leader finds its session gone and follows."""
+    env = {"SPIKEHOUND_CLUSTER_ENABLED": "true", "SPIKEHOUND_CLUSTER_HEARTBEAT_SECONDS": "0.5",
+           "SPIKEHOUND_CLUSTER_MEMBER_TIMEOUT_SECONDS": "3"}
+    members = []
+    try:
+        for i in range(2):
+            workdir = tmp_path / f"member-{i}"
+            workdir.mkdir()
+            members.append(CollectorProcess(pg_url, workdir, env={**env, "SPIKEHOUND_CLUSTER_MEMBER": f"member-{i}"})
+                           .start())
+        leading = eventually(lambda: [m for m in members if _leads(m)] or None, "a leader")
+        (old,) = leading
+        (other,) = [m for m in members if m is not old]
+        assert old.proc is not None
+        old.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        eventually(lambda: _leads(other), "the other member to lead", timeout=30, every=0.2)
+        took = time.monotonic() - stopped
+        old.proc.send_signal(signal.SIGCONT)
+        eventually(lambda: "no longer the detection leader" in old.log_text(), "the old leader to step down", 30)
+        assert not _leads(old) and _leads(other)
+    finally:
+        for m in members:
+            m.kill()
+    assert 3 <= took <= 15, f"led by the other member {took:.1f} s after the leader hung"
+    assert "has sent no heartbeat for 3 s" in other.log_text()
+
+
+def _leads(member: CollectorProcess) -> bool:
+    return (sample(scrape(member.api), "spikehound_cluster_leader") or 0) == 1

@@ -114,6 +114,9 @@ class DetectionLeader:
         return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": 0}
 
     async def start(self) -> None:
+        if not self.cfg.cluster.lead:
+            log.info("%s stores its share and never leads detection (cluster.lead = false)", self.member)
+            return
         self._task = asyncio.create_task(self._campaign(), name="detection-leader")
 
     async def stop(self) -> None:
@@ -133,12 +136,21 @@ class DetectionLeader:
     # -- the campaign ------------------------------------------------------------------------------
 
     async def _campaign(self) -> None:
+        conn: Connection | None = None  # a follower keeps its session between tries
         while not self._stop.is_set():
-            conn: Connection | None = None
             try:
-                conn = await self._run(self._connect)
+                if conn is None:
+                    conn = await self._run(self._connect)
                 if await self._run(cluster.try_lead, conn):
-                    await self._lead(conn)
+                    try:
+                        await self._run(cluster.claim_lead, conn, self.member)
+                        await self._lead(conn)
+                    finally:
+                        # Closed, not returned to the pool: the session, and the lock, end with it.
+                        await self._run(_discard, conn)
+                        conn = None
+                else:
+                    await self._depose_silent_leader(conn)
                 self._campaign_error = None
             except LostLead as exc:
                 log.warning("no longer the detection leader: %s", exc)
@@ -150,13 +162,23 @@ class DetectionLeader:
                     log.warning("cannot campaign for the detection leader's lock (tried again every %g s): %s: %s",
                                 self.cfg.cluster.heartbeat_seconds, exc.__class__.__name__, exc)
                 self._campaign_error = exc.__class__.__name__
+                if conn is not None:
+                    await self._run(_discard, conn)
+                    conn = None
             finally:
                 if self.leading:
                     await self._step_down()
-                if conn is not None:
-                    # Closed, not returned to the pool: the session (and a lock it may hold) ends with it.
-                    await self._run(_discard, conn)
             await self._pause(self.cfg.cluster.heartbeat_seconds)
+        if conn is not None:
+            await self._run(_discard, conn)
+
+    async def _depose_silent_leader(self, conn: Connection) -> None:
+        timeout = self.cfg.cluster.member_timeout_seconds
+        deposed = await self._run(cluster.depose_silent_leader, conn, timeout)
+        if deposed is not None:
+            log.warning("the detection leader %s has sent no heartbeat for %g s (a hung or stopped process keeps "
+                        "its database session): its session was ended, so that another collector leads",
+                        deposed, timeout)
 
     def _connect(self) -> Connection:
         conn = self.engine.connect()
