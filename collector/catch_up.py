@@ -35,9 +35,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["MOST_SECONDS", "MOST_SPANS", "NS", "CatchUp"]
+from detectors.engine import DetectionEngine
+
+__all__ = ["MOST_SECONDS", "MOST_SPANS", "NO_DATA_YET", "NS", "CatchUp", "close_held", "hold_where_the_data_is"]
 
 NS = 1_000_000_000
+NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
 MOST_SECONDS = 600.0  # a sender that never drains must not hold the windows for ever
 MOST_SPANS = 5_000_000  # spans arrived while held: at most about 1 GB of held window entries
 
@@ -91,3 +94,33 @@ class CatchUp:
             self.active = False
             return True
         return False
+
+
+def hold_where_the_data_is(engine: DetectionEngine) -> None:
+    """Cap the windows' watermark where the data has brought it (if it is not capped already)."""
+    windows = engine.windows
+    if windows.hold is None:
+        held = windows.data_watermark
+        engine.hold(held if held is not None else NO_DATA_YET)
+
+
+def close_held(engine: DetectionEngine, window_ns: int, step: Callable[[], None]) -> int:
+    """The backlog has arrived: move the held watermark to where the data is, a window at a time, as live
+    traffic would have moved it, calling ``step`` (the engine's advance, its outcome kept) after each move;
+    then release the hold. How many steps it took."""
+    windows = engine.windows
+    held, target = windows.hold, windows.data_watermark
+    if held is None:
+        return 0
+    steps = 0
+    earliest = windows.earliest_open_ns
+    if target is not None and earliest is not None:
+        at = max(held, earliest)
+        while at < target:
+            at = min(at + window_ns, target)
+            engine.hold(at)
+            step()
+            steps += 1
+    engine.hold(None)
+    step()
+    return steps + 1

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from collector.catch_up import CatchUp
+from collector.catch_up import CatchUp, close_held, hold_where_the_data_is
 from collector.cluster.member import ClusterMember
 from collector.commit_hooks import CommitHooks
 from collector.detection import detection_settings
@@ -45,7 +45,6 @@ TICK_SECONDS = 0.5
 RETENTION_INTERVAL_SECONDS = 300.0
 REPLAY_BLOCKS = 256  # span blocks read and fed to the detectors at a time when replaying after a restart
 REPLAY_POINTS = 20_000  # metric points likewise
-NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
 STALL_SECONDS = 10.0  # a write unanswered this long is an outage (see _write)
 T = TypeVar("T")
 
@@ -240,31 +239,18 @@ class IngestPipeline:
 
     def _set_hold(self) -> None:
         """On the writer thread: cap the windows' watermark where it is (see CatchUp)."""
-        windows = self.engine.windows
-        if self.catch_up.active and windows.hold is None:
-            held = windows.data_watermark
-            self.engine.hold(held if held is not None else NO_DATA_YET)
+        if self.catch_up.active:
+            hold_where_the_data_is(self.engine)
 
     def _release_hold(self) -> None:
         """On the writer thread: the backlog has arrived; move the held watermark to where the data is, a window
         at a time, as live traffic would have moved it (each step's spike states are kept, in order)."""
-        windows = self.engine.windows
-        held, target = windows.hold, windows.data_watermark
-        if held is None:
+        if self.engine.windows.hold is None:
             return
-        steps = 0
-        earliest = windows.earliest_open_ns
-        if target is not None and earliest is not None:
-            at = max(held, earliest)
-            while at < target:
-                at = min(at + self.settings.window_ns, target)
-                self.engine.hold(at)
-                self._take(self._detect(self.engine.advance))
-                steps += 1
-        self.engine.hold(None)
-        self._take(self._detect(self.engine.advance))
+        steps = close_held(self.engine, self.settings.window_ns,
+                           lambda: self._take(self._detect(self.engine.advance)))
         log.info("caught up: the senders' backlogs have arrived; the windows held open were closed in %d step(s)",
-                 steps + 1)
+                 steps)
 
     def _close_orphans(self) -> None:
         """Resolve the spikes restore() found orphaned whose last anomalous window event time has passed.

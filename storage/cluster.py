@@ -186,11 +186,14 @@ def try_lead(conn: Connection) -> bool:
     return held
 
 
-def claim_lead(conn: Connection, member: str) -> None:
-    """Just after ``try_lead``: mark ``member``'s row as the leader's, with its session's backend pid."""
+def claim_lead(conn: Connection, member: str) -> str | None:
+    """Just after ``try_lead``: mark ``member``'s row as the leader's, with its session's backend pid; the
+    member that led before, when a row still says so."""
     m = schema.cluster_members
+    previous = conn.execute(select(m.c.member).where(m.c.leader_pid.is_not(None))).scalar()
     conn.execute(m.update().values(leader_pid=case((m.c.member == member, func.pg_backend_pid()), else_=None)))
     conn.commit()
+    return str(previous) if previous is not None else None
 
 
 def depose_silent_leader(conn: Connection, timeout_s: float) -> str | None:

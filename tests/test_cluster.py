@@ -249,3 +249,26 @@ def test_a_hung_leader_is_deposed_and_writes_nothing_when_it_wakes(pg_url: str, 
 
 def _leads(member: CollectorProcess) -> bool:
     return (sample(scrape(member.api), "spikehound_cluster_leader") or 0) == 1
+
+
+def test_the_windows_wait_for_a_missing_member_until_it_is_gone(pg_url: str, caplog: pytest.LogCaptureFixture):
+    """A member whose heartbeats stop holds the windows (its agents keep its share meanwhile) for at most
+    cluster.member_timeout_seconds; then they close on the others' share."""
+    bodies = scenario_requests(_scenario())
+    leader_first, other = _members(pg_url, 2, cluster__heartbeat_seconds=0.5, cluster__member_timeout_seconds=4)
+    with leader_first:
+        eventually(lambda: leader_first.metric("spikehound_cluster_leader") == 1, "the first member to lead")
+        with other:
+            for i, body in enumerate(bodies[:160]):
+                send((leader_first, other)[i // 2 % 2].http_endpoint, [body])
+            eventually(lambda: leader_first.metric("spikehound_detector_judged_windows_total") > 0, "judged windows")
+        # The other member stopped: once the leader misses its heartbeats, nothing closes while it is missing.
+        eventually(lambda: leader_first.metric("spikehound_detection_catching_up") == 1, "the windows to be held",
+                   timeout=10)
+        closed = leader_first.metric("spikehound_latency_windows_closed_total")
+        send(leader_first.http_endpoint, bodies[160:240])  # 40 more seconds of traffic
+        assert leader_first.metric("spikehound_latency_windows_closed_total") == closed
+        eventually(lambda: "member member-1 is gone" in caplog.text, "the member to be gone", timeout=15)
+        eventually(lambda: leader_first.metric("spikehound_latency_windows_closed_total") > closed,
+                   "the held windows to close on the first member's share")
+        assert leader_first.metric("spikehound_detection_catching_up") == 0

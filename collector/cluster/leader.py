@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine, func, select, text
 
 from collector.alerts.alerting import Alerting
+from collector.catch_up import CatchUp, close_held, hold_where_the_data_is
 from collector.detection import detection_settings
 from collector.detector_metrics import DetectorMetrics
 from collector.spike_announcer import SpikeAnnouncer
@@ -104,6 +105,11 @@ class DetectionLeader:
         self._fetched: dict[str, int] = {}  # per member: its last feed row read
         self._waiting: dict[str, deque[_Row]] = {}
         self._open_windows = 0
+        # Members the windows wait for: heartbeats stopped, not yet gone (name -> since when, by clock()) ...
+        self._missing: dict[str, float] = {}
+        self._started: dict[str, int] = {}  # ... and each member's start, to see it restart
+        self._gone: set[str] = set()  # missing past cluster.member_timeout_seconds (said once)
+        self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)  # a returned member's backlog
         self._last_input = clock()
         self._campaign_error: str | None = None  # the kind of the last failure, logged once while it repeats
         self._stop = asyncio.Event()
@@ -111,7 +117,8 @@ class DetectionLeader:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spikehound-leader")
 
     def detector_stats(self) -> dict[str, int]:
-        return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": 0}
+        held = self.detection.windows.hold is not None
+        return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held)}
 
     async def start(self) -> None:
         if not self.cfg.cluster.lead:
@@ -143,8 +150,8 @@ class DetectionLeader:
                     conn = await self._run(self._connect)
                 if await self._run(cluster.try_lead, conn):
                     try:
-                        await self._run(cluster.claim_lead, conn, self.member)
-                        await self._lead(conn)
+                        previous = await self._run(cluster.claim_lead, conn, self.member)
+                        await self._lead(conn, previous)
                     finally:
                         # Closed, not returned to the pool: the session, and the lock, end with it.
                         await self._run(_discard, conn)
@@ -189,11 +196,11 @@ class DetectionLeader:
         conn.commit()
         return conn
 
-    async def _lead(self, conn: Connection) -> None:
+    async def _lead(self, conn: Connection, previous: str | None) -> None:
         self.leading = True
         self.takeovers += 1
         started = time.perf_counter()
-        found = await self._run(self._take_over, conn)
+        found = await self._run(self._take_over, conn, previous)
         log.warning("%s leads detection now: continued from %s, %d streams, %d open spikes, in %.2f s",
                     self.member, found, self.detection.stats()["judged_streams"],
                     len(self.detection.open_spikes()), time.perf_counter() - started)
@@ -225,8 +232,12 @@ class DetectionLeader:
 
     # -- on the leader's thread ------------------------------------------------------------------
 
-    def _take_over(self, conn: Connection) -> str:
-        """Continue from the checkpoint and its cursors; refill the recent traces of the open windows."""
+    def _take_over(self, conn: Connection, previous: str | None) -> str:
+        """Continue from the checkpoint and its cursors; refill the recent traces of the open windows.
+
+        The previous leader (another member) is held missing until its heartbeats say otherwise: if it died,
+        its agents hold its share, and the windows must not close over it while the feed is replayed.
+        """
         with conn.begin():
             found = checkpoints.load(conn, CHECKPOINT_NAME)
             cursors = cluster.load_cursors(conn)
@@ -244,6 +255,13 @@ class DetectionLeader:
             what = f"nothing (the checkpoint has format {found.format}, this version writes {CHECKPOINT_FORMAT})"
         self.detection = engine
         self._cursors, self._fetched, self._waiting = dict(cursors), dict(cursors), {}
+        self._missing, self._started, self._gone = {}, {}, set()
+        self.catch_up = CatchUp(self.cfg.collector.catch_up_seconds, clock=self.clock)
+        if previous is not None and previous != self.member:
+            log.info("the windows wait for the previous leader %s's heartbeats: if it died, its agents hold its "
+                     "share of the traffic", previous)
+            self._missing[previous] = self.clock()
+            hold_where_the_data_is(engine)
         self._refill(conn, found, cursors)
         stored = self.reader.spikes(None, None, None, "open", 10_000)
         # Open before the takeover: the replay of the feed finds them again (same ids), not as new spikes.
@@ -280,31 +298,76 @@ class DetectionLeader:
         rows = self._read(conn)
         engine = self.detection
         done = Detection()
+
+        def keep(step: Detection) -> None:
+            done.windows.extend(step.windows)
+            done.spikes.extend(step.spikes)  # every state in order: opened and resolved in one step are both told
+            done.flags.extend(step.flags)
+
+        for row in rows:
+            engine.add(row.spans, row.points)
+            if self.catch_up.active:
+                self.catch_up.arrived([sp.end_unix_nano for sp in row.spans], engine.windows.hold)
+            keep(engine.advance())
         if rows:
             self._last_input = self.clock()
-            for row in rows:
-                engine.add(row.spans, row.points)
-                step = engine.advance()
-                done.windows += step.windows
-                done.spikes += step.spikes  # every state in order: opened and resolved in one step are both told
-                done.flags += step.flags
-        else:
-            idle = self.clock() - self._last_input
+        if engine.windows.hold is not None and not self._missing and (
+                not self.catch_up.active or self.catch_up.done()):
+            steps = close_held(engine, self.settings.window_ns, lambda: keep(engine.advance()))
+            log.info("no member is missing: the windows held for them were closed in %d step(s)", steps)
+        elif not rows and not any(self._waiting.values()):
             c = self.cfg.collector
-            if idle < c.idle_flush_seconds or any(self._waiting.values()):
-                return 0, done
-            advance = int((c.allowed_lateness_seconds + idle) * NS)
-            watermark = engine.windows.watermark
-            if watermark is not None:  # never past the clock plus the skew the receivers allow
-                latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
-                advance = max(min(advance, latest - watermark), 0)
-            done = engine.advance(advance)
+            idle = self.clock() - self._last_input
+            if idle >= c.idle_flush_seconds:
+                advance = int((c.allowed_lateness_seconds + idle) * NS)
+                watermark = engine.windows.watermark
+                if watermark is not None:  # never past the clock plus the skew the receivers allow
+                    latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
+                    advance = max(min(advance, latest - watermark), 0)
+                keep(engine.advance(advance))
         self._open_windows = engine.windows.open_windows
         if done.windows or done.spikes:
             with conn.begin():
                 self._fence(conn)
                 self.writer.write_detection(conn, done.windows, done.spikes)
         return len(rows), done
+
+    def _watch(self, members: list[cluster.Member]) -> None:
+        """Hold the windows while a member is missing: its heartbeats stopped (it died, hangs, or lost the
+        database) and it is not yet gone. Its agents hold its share meanwhile; windows closed over it would
+        count that share late. Gone after ``cluster.member_timeout_seconds``: the windows close without it
+        (judged on the others' share). Back after a restart, or after longer than the lateness allowed, its
+        agents' backlog arrives: the windows wait for it as one collector waits for its senders' backlogs
+        after a restart (CatchUp)."""
+        k, now = self.cfg.cluster, self.clock()
+        late = 2 * k.heartbeat_seconds
+        for m in members:
+            started = self._started.get(m.member)
+            restarted = started is not None and m.started_at != started
+            self._started[m.member] = m.started_at
+            since = self._missing.get(m.member)
+            if m.age_s > k.member_timeout_seconds:
+                if m.member not in self._gone and (since is not None or started is not None):
+                    log.warning("member %s is gone (no heartbeat for %.0f s): the windows close without its share "
+                                "until it is back", m.member, m.age_s)
+                self._missing.pop(m.member, None)
+                self._gone.add(m.member)
+            elif m.age_s > late:
+                if since is None:
+                    log.warning("member %s has sent no heartbeat for %.1f s: the windows wait for it (at most "
+                                "cluster.member_timeout_seconds, %g s)", m.member, m.age_s, k.member_timeout_seconds)
+                    self._missing[m.member] = now
+            elif since is not None and now - since < late + POLL_SECONDS and not restarted:
+                pass  # a previous leader, held missing at the takeover, until its heartbeats say
+            else:
+                away = now - since if since is not None else 0.0
+                self._missing.pop(m.member, None)
+                if restarted or m.member in self._gone or away > self.cfg.collector.allowed_lateness_seconds:
+                    log.info("member %s is back: the windows wait for its agents' backlogs", m.member)
+                    self.catch_up.begin()
+                self._gone.discard(m.member)
+        if self._missing or self.catch_up.active:
+            hold_where_the_data_is(self.detection)
 
     def _read(self, conn: Connection) -> list[_Row]:
         """The members' new feed rows, decoded, in the order the database received them; cursors move past them.
@@ -319,6 +382,7 @@ class DetectionLeader:
             rows = cluster.read_feed(conn, self._fetched, names, FEED_ROWS)
             payloads = cluster.block_payloads(conn, [i for r in rows for i in r.block_ids])
         self.members_live = sum(1 for m in members if m.age_s < timeout)
+        self._watch(members)
         read = Counter(r.member for r in rows)
         for r in rows:
             spans = [s for i in r.block_ids if (p := payloads.get(i)) is not None for s in spans_of_block(p)]
