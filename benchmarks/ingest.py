@@ -70,7 +70,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -217,11 +217,8 @@ def make_workload(requests: int, batch: int, seed: int = SEED) -> Workload:
     return Workload(bodies, [batch] * len(bodies), marker, [_time_offsets(b) for b in bodies], created_ns=now)
 
 
-def _time_offsets(body: bytes) -> Any:
-    """Offsets of Span.start_time_unix_nano (7) and end_time_unix_nano (8) in an encoded request."""
-    import numpy as np
-
-    out = []
+def span_ranges(body: bytes) -> Iterator[tuple[int, int]]:
+    """(start, end) offsets of every Span message in an encoded ExportTraceServiceRequest, in order."""
     for n1, _, _, s1, e1 in fields(body):  # ResourceSpans
         if n1 != 1:
             continue
@@ -229,9 +226,17 @@ def _time_offsets(body: bytes) -> Any:
             if n2 != 2:
                 continue
             for n3, _, _, s3, e3 in fields(body, s2, e2):  # Span
-                if n3 != 2:
-                    continue
-                out += [f.value for f in fields(body, s3, e3) if f.number in (7, 8) and f.wire == FIXED64]
+                if n3 == 2:
+                    yield s3, e3
+
+
+def _time_offsets(body: bytes) -> Any:
+    """Offsets of Span.start_time_unix_nano (7) and end_time_unix_nano (8) in an encoded request."""
+    import numpy as np
+
+    out = []
+    for s3, e3 in span_ranges(body):
+        out += [f.value for f in fields(body, s3, e3) if f.number in (7, 8) and f.wire == FIXED64]
     return np.asarray(out, dtype=np.int64)
 
 
@@ -377,6 +382,44 @@ def sender_process(conn: Connection, endpoint: str, workload: Workload, inflight
 
 
 # --- the collector under test ------------------------------------------------------------------
+
+
+def spawn_senders(target: Callable[..., None], endpoint: Any, workload: Workload, senders: int, processes: int,
+                  measure_at: float, end_at: float) -> tuple[list[Connection], list[Any], list[int]]:
+    """Start ``processes`` sender processes running ``target`` (``sender_process``, or one with its arguments
+    that routes), with ``senders`` export calls in flight over them; their result pipes, the processes, and
+    the calls in flight of each."""
+    ctx = multiprocessing.get_context("spawn")  # no inherited grpc state; each sender starts clean
+    per_process = [senders // processes + (i < senders % processes) for i in range(processes)]
+    pipes: list[Connection] = []
+    procs = []
+    for i, inflight in enumerate(per_process):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, name=f"bench-sender-{i}",
+                        args=(child, endpoint, workload, inflight, measure_at, end_at,
+                              i * len(workload.bodies) // processes))
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    return pipes, procs, per_process
+
+
+def collect_results(pipes: list[Connection], procs: list[Any], failures: list[str], label: str = ""
+                    ) -> list[SenderResult]:
+    """Each sender's result (a sender that sends none is a failure, named with ``label``); the senders end."""
+    results: list[SenderResult] = []
+    prefix = f"{label}: " if label else ""
+    for pipe, p in zip(pipes, procs, strict=True):
+        if pipe.poll(CALL_TIMEOUT_SECONDS * 2):
+            results.append(pipe.recv())
+        else:
+            failures.append(f"{prefix}{p.name} sent no result")
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    failures += [f"{prefix}sender: {r.error}" for r in results if r.error]
+    return results
 
 
 def _rss_mb(pid: int) -> tuple[float, float]:
@@ -584,21 +627,10 @@ def _wait_until(at: float, collector: Collector) -> None:
 
 def _load(args: argparse.Namespace, res: Results, workload: Workload, collector: Collector, processes: int,
           failures: list[str]) -> None:
-    ctx = multiprocessing.get_context("spawn")  # no inherited grpc state; each sender starts clean
     measure_at = time.time() + args.startup + args.warmup
     end_at = measure_at + args.seconds
-    per_process = [args.senders // processes + (i < args.senders % processes) for i in range(processes)]
-    pipes: list[Connection] = []
-    procs = []
-    for i, inflight in enumerate(per_process):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=sender_process, name=f"bench-sender-{i}",
-                        args=(child, collector.grpc_endpoint, workload, inflight, measure_at, end_at,
-                              i * len(workload.bodies) // processes))
-        p.start()
-        child.close()
-        pipes.append(parent)
-        procs.append(p)
+    pipes, procs, per_process = spawn_senders(sender_process, collector.grpc_endpoint, workload, args.senders,
+                                              processes, measure_at, end_at)
     print(f"load: {args.senders} concurrent export calls in {processes} sender process(es) "
           f"{per_process}, warm-up {args.warmup:g} s, measuring {args.seconds:g} s", flush=True)
 
@@ -617,17 +649,8 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
     if stored1 > stored0:
         res.collector_cpu_us_per_span = round((cpu1 - cpu0) / (stored1 - stored0) * 1e6, 1)
 
-    results: list[SenderResult] = []
-    for pipe, p in zip(pipes, procs, strict=True):
-        if pipe.poll(CALL_TIMEOUT_SECONDS * 2):
-            results.append(pipe.recv())
-        else:
-            failures.append(f"{p.name} sent no result")
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+    results = collect_results(pipes, procs, failures)
     collector.check_alive()
-    failures += [f"sender: {r.error}" for r in results if r.error]
     res.acked_spans = sum(r.acked_spans for r in results)
     res.ingest_spans_per_s = round(sum(r.measured_spans for r in results) / args.seconds)
     res.load_generator_cores = round(sum(r.cpu_seconds for r in results) / args.seconds, 2)

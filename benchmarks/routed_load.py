@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
-from benchmarks.ingest import Workload, sender_process
+from benchmarks.ingest import Workload, sender_process, span_ranges
 from spikehound.protowire import fields
 
 ENDPOINT_SEPARATOR = ","
@@ -27,18 +27,10 @@ ENDPOINT_SEPARATOR = ","
 
 def first_trace_id(body: bytes) -> bytes:
     """The trace id of the first span of an encoded ExportTraceServiceRequest (b"" when it holds none)."""
-    for n1, _, _, s1, e1 in fields(body):  # ResourceSpans
-        if n1 != 1:
-            continue
-        for n2, _, _, s2, e2 in fields(body, s1, e1):  # ScopeSpans
-            if n2 != 2:
-                continue
-            for n3, _, _, s3, e3 in fields(body, s2, e2):  # Span
-                if n3 != 2:
-                    continue
-                for n4, _, _, s4, e4 in fields(body, s3, e3):
-                    if n4 == 1:  # Span.trace_id
-                        return bytes(body[s4:e4])
+    for s3, e3 in span_ranges(body):
+        for n4, _, _, s4, e4 in fields(body, s3, e3):
+            if n4 == 1:  # Span.trace_id
+                return bytes(body[s4:e4])
     return b""
 
 

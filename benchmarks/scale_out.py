@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -55,7 +54,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +61,16 @@ import psutil
 import psycopg
 
 from benchmarks.ingest import (
-    CALL_TIMEOUT_SECONDS,
     Collector,
     SenderResult,
+    collect_results,
     count_span_rows,
     decode_rate,
     machine_busy_seconds,
     make_workload,
     percentile,
     process_cpu_seconds,
+    spawn_senders,
 )
 from benchmarks.routed_load import routed_sender_process
 from harness.pgserver import PostgresServer
@@ -273,22 +272,11 @@ def run_configuration(args: argparse.Namespace, server: PostgresServer, workload
     try:
         members = _start_members(url, workdir, n, cluster)
         leader = next((m for m in members if m.leader), None)
-        ctx = multiprocessing.get_context("spawn")
         measure_at = time.time() + args.startup + args.warmup
         end_at = measure_at + args.seconds
-        per_process = [args.senders // processes + (i < args.senders % processes) for i in range(processes)]
         endpoints = [m.collector.grpc_endpoint for m in members]
-        pipes: list[Connection] = []
-        procs = []
-        for i, inflight in enumerate(per_process):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=routed_sender_process, name=f"bench-sender-{i}",
-                            args=(child, endpoints, workload, inflight, measure_at, end_at,
-                                  i * len(workload.bodies) // processes))
-            p.start()
-            child.close()
-            pipes.append(parent)
-            procs.append(p)
+        pipes, procs, _ = spawn_senders(routed_sender_process, endpoints, workload, args.senders, processes,
+                                        measure_at, end_at)
         print(f"[{label}] {n} collector(s){' in cluster mode' if cluster else ', not in cluster mode'}, "
               f"{args.senders} export calls in flight from {processes} sender process(es), warm-up "
               f"{args.warmup:g} s, measuring {args.seconds:g} s", flush=True)
@@ -301,18 +289,9 @@ def run_configuration(args: argparse.Namespace, server: PostgresServer, workload
             for p in procs:
                 p.kill()
             raise
-        results: list[SenderResult] = []
-        for pipe, p in zip(pipes, procs, strict=True):
-            if pipe.poll(CALL_TIMEOUT_SECONDS * 2):
-                results.append(pipe.recv())
-            else:
-                failures.append(f"{label}: {p.name} sent no result")
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        results = collect_results(pipes, procs, failures, label)
         for m in members:
             m.collector.check_alive()
-        failures += [f"{label}: sender: {r.error}" for r in results if r.error]
         _figures(res, members, leader, s0, s1, results)
         if leader is not None:
             res.catch_up_s, res.final_lag_spans = _catch_up(members, leader, end_at, args.catch_up_timeout, failures)

@@ -30,6 +30,7 @@ from storage import cluster
 from storage.engine import make_engine
 from storage.migrate import current_revision, head_revision, upgrade
 from storage.writer import WriteBatch, Writer
+from tests.support.spike_fields import spike_fields
 from tests.support.storage_data import make_span
 
 pytestmark = pytest.mark.postgres
@@ -38,15 +39,6 @@ pytestmark = pytest.mark.postgres
 def _scenario() -> Scenario:
     # Three and a half minutes of warm-up (21 windows), a one-minute slow feature query, then calm.
     return Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
-
-
-def _essence(spike: dict[str, Any]) -> tuple[Any, ...]:
-    """What must not differ between a cluster and one collector: every field of the spike."""
-    causes = tuple((c["kind"], c["service"], c["operation"], c["peer_service"], c["host"], c["resource"],
-                    round(c["score"], 6)) for c in spike["causes"])
-    return (spike["id"], spike["service"], spike["operation"], spike["state"], spike["start"], spike["end"],
-            spike["p99_ms"], spike["baseline_p99_ms"], causes, tuple(spike["exemplar_trace_ids"]),
-            tuple(tuple(sorted(a.items())) for a in spike["affected_streams"]))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +94,7 @@ def test_three_collectors_find_what_one_collector_finds(running: list[CollectorT
         send(running[(i // 2) % 3].http_endpoint, [body])
     spikes = _settled(running)
     assert one_collector_spikes, "the scenario's fault was not found by one collector"
-    assert [_essence(s) for s in spikes] == [_essence(s) for s in one_collector_spikes]
+    assert [spike_fields(s) for s in spikes] == [spike_fields(s) for s in one_collector_spikes]
     leader = _leader(running)
     assert leader.metric("spikehound_cluster_members") == 3
     # The leader's detectors saw every span every member stored, once; the followers judged nothing.

@@ -35,6 +35,7 @@ from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.retention import Retention
 from storage.writer import WriteBatch, Writer
+from tests.support.spike_fields import spike_fields
 
 pytestmark = pytest.mark.slow
 
@@ -72,14 +73,6 @@ def _metric(api: str, name: str) -> float:
     return value
 
 
-def _essence(spike: dict[str, Any]) -> tuple[Any, ...]:
-    causes = tuple((c["kind"], c["service"], c["operation"], c["peer_service"], c["host"], c["resource"],
-                    round(c["score"], 6)) for c in spike["causes"])
-    return (spike["id"], spike["service"], spike["operation"], spike["state"], spike["start"], spike["end"],
-            spike["p99_ms"], spike["baseline_p99_ms"], causes, tuple(spike["exemplar_trace_ids"]),
-            tuple(tuple(sorted(a.items())) for a in spike["affected_streams"]))
-
-
 def _replay(*files: Path) -> list[dict[str, Any]]:
     exe = shutil.which("spikehound", path=str(Path(sys.executable).parent))
     assert exe, "spikehound is not installed in this environment"
@@ -105,7 +98,7 @@ def test_replay_finds_what_live_ingest_found(tmp_path: Path):
     top = spike["causes"][0]
     assert (top["kind"], top["service"], top["operation"]) == ("span", "preprocess", "SELECT features"), top
 
-    assert [_essence(s) for s in _replay(recording)] == [_essence(s) for s in live_spikes]
+    assert [spike_fields(s) for s in _replay(recording)] == [spike_fields(s) for s in live_spikes]
 
 
 def test_replay_reads_json_lines_as_the_file_exporter_writes_them(tmp_path: Path):
@@ -114,7 +107,7 @@ def test_replay_reads_json_lines_as_the_file_exporter_writes_them(tmp_path: Path
     write_json_lines(tmp_path / "capture.jsonl", bodies)
     from_json = _replay(tmp_path / "capture.jsonl")
     assert from_json, "the JSON lines replay found nothing"
-    assert [_essence(s) for s in from_json] == [_essence(s) for s in _replay(tmp_path / "capture.binpb")]
+    assert [spike_fields(s) for s in from_json] == [spike_fields(s) for s in _replay(tmp_path / "capture.binpb")]
 
 
 def test_replay_names_an_unreadable_file(tmp_path: Path):

@@ -32,6 +32,7 @@ from spikehound.scenarios.traffic import Scenario
 from storage import schema
 from storage.engine import make_engine
 from tests.support.alert_receivers import HookReceiver
+from tests.support.spike_fields import spike_fields
 from tests.support.trace_sender import TraceSender, whole_traces
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -147,15 +148,6 @@ def _leader(collectors: Sequence[CollectorProcess]) -> CollectorProcess | None:
     return leading[0] if leading else None
 
 
-def _shape(spike: dict[str, Any]) -> tuple[Any, ...]:
-    """Every field of a spike (the causes' scores rounded)."""
-    causes = tuple((c["kind"], c["service"], c["operation"], c["peer_service"], c["host"], c["resource"],
-                    round(c["score"], 6)) for c in spike["causes"])
-    return (spike["id"], spike["service"], spike["operation"], spike["state"], spike["start"], spike["end"],
-            spike["p99_ms"], spike["baseline_p99_ms"], causes, tuple(spike["exemplar_trace_ids"]),
-            tuple(tuple(sorted(a.items())) for a in spike["affected_streams"]))
-
-
 def _resolved(api: str, timeout: float = 120) -> list[dict[str, Any]]:
     """The spikes once there are some and none is open (the scenario's fault ends before its last minute)."""
     def check() -> tuple[list[dict[str, Any]]] | None:
@@ -251,7 +243,7 @@ def test_three_collectors_find_what_one_finds_and_a_killed_leader_loses_and_repe
     # The spike open at the kill is the one the cluster ends with: same id, not lost, not opened again, and
     # every field as one collector found it.
     assert [s["id"] for s in before] == [s["id"] for s in spikes] == [s["id"] for s in reference]
-    assert [_shape(s) for s in spikes] == [_shape(s) for s in reference]
+    assert [spike_fields(s) for s in spikes] == [spike_fields(s) for s in reference]
     # Its page was sent once (and its resolved notice once), whoever led.
     assert page.json["status"] == "firing"
     assert sorted(e.json["status"] for e in hook.events.values()) == ["firing", "resolved"]
