@@ -227,7 +227,8 @@ class Collector:
                 log.error("TLS certificate not re-read, the running one stays: %s", exc)
         if self.alerting is not None and ALERT_KEYS.intersection(change.applied):
             self.alerting.reload(self.cfg)
-        if self.pipeline is not None and RETENTION_KEYS.intersection(change.applied):
+        if (self.pipeline is not None and RETENTION_KEYS.intersection(change.applied)
+                and self.pipeline.runs_retention()):  # in a cluster, the leader's
             task = asyncio.create_task(self.pipeline.run_retention(), name="retention-after-reload")
             self._reload_tasks.add(task)
             task.add_done_callback(self._reload_tasks.discard)
