@@ -38,7 +38,7 @@ from tests.support.trace_sender import TraceSender, whole_traces
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 SECRET = "scale-out-signing-secret"
-SPEED = 5.0  # scenario seconds per wall-clock second
+SPEED = 8.0  # scenario seconds per wall-clock second
 ENTRY_HOST = "edge-1"  # the agent of the gateway's host
 GPU_HOST = "gpu-pool"  # the agent of the services' hosts
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -51,11 +51,12 @@ def _scenario() -> Scenario:
 
 def _config(path: Path, hook_url: str) -> Path:
     """The same settings for the cluster's collectors and the single one. The agents forward about once a
-    second, SPEED scenario seconds: the lateness allowed covers that; no idle flush while traffic pauses."""
+    second, SPEED scenario seconds: the lateness allowed covers that; no idle flush while a collector
+    restarts."""
     path.write_text(f"""
 [collector]
-allowed_lateness_seconds = 20
-idle_flush_seconds = 25
+allowed_lateness_seconds = 30
+idle_flush_seconds = 10
 
 [detection]
 checkpoint_seconds = 1
