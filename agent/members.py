@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +48,7 @@ REROUTE_AFTER_SECONDS = 300.0  # a departed member silent this long loses what i
 TEND_SECONDS = 1.0  # departed members and the membership are looked at this often
 REROUTE_BATCH = 256  # requests moved off a departed member per tend, so the event loop is not held long
 EMPTY_RETRY_SECONDS = 2.0  # with no member at all (the first lookup failed), look again this often
+RESOLVE_TIMEOUT_SECONDS = 10.0  # a DNS lookup or file read that takes longer counts as failed
 
 
 @dataclass(eq=False)
@@ -94,6 +96,7 @@ class Router:
         self._running = False
         self._resolve_failing = False
         self._next_resolve = 0.0
+        self._resolving: asyncio.Future[list[Endpoint]] | None = None  # the lookup in flight
         # Counters of members that are gone (so totals never go down) and of routing itself.
         self.retired = ForwardStats()
         self.retired_spool: Counter[str] = Counter()
@@ -109,7 +112,7 @@ class Router:
         """Open the spools (current members and earlier ones found on disk) and learn the first membership."""
         endpoints: list[Endpoint] = []
         try:
-            endpoints = await asyncio.to_thread(resolve, self.source)
+            endpoints = await self._resolve()
         except MembershipError as exc:
             self._resolve_failed(str(exc))
         if not endpoints and not self.source.single:
@@ -305,11 +308,37 @@ class Router:
     async def refresh(self) -> None:
         """Look the membership up again (DNS or the file, in a thread) and apply it."""
         try:
-            endpoints = await asyncio.to_thread(resolve, self.source)
+            endpoints = await self._resolve()
         except MembershipError as exc:
             self._resolve_failed(str(exc))
             return
         self.apply(endpoints)
+
+    async def _resolve(self) -> list[Endpoint]:
+        """``resolve`` on a daemon thread of its own, waited for at most RESOLVE_TIMEOUT_SECONDS: a lookup that
+        hangs (a dead DNS server, a hung network file system) must hold neither the membership's upkeep nor
+        the agent's exit. While one hangs, no other is started."""
+        if self._resolving is not None and not self._resolving.done():
+            raise MembershipError(f"the last lookup of {self._describe()} has not answered yet")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[list[Endpoint]] = loop.create_future()
+        self._resolving = answer
+
+        def lookup() -> None:
+            found: list[Endpoint] | None = None
+            error: Exception | None = None
+            try:
+                found = resolve(self.source)
+            except Exception as exc:  # handed to the waiting coroutine
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the agent has stopped meanwhile: nobody waits
+                loop.call_soon_threadsafe(_settle, answer, found, error)
+
+        threading.Thread(target=lookup, name="collector-membership", daemon=True).start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), RESOLVE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise MembershipError(f"{self._describe()} gave no answer within {RESOLVE_TIMEOUT_SECONDS:g} s") from None
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -506,3 +535,12 @@ def _read_endpoint(directory: Path) -> str | None:
                                    if line.strip())).key
     except (OSError, StopIteration, ValueError):
         return None
+
+
+def _settle(future: asyncio.Future[list[Endpoint]], found: list[Endpoint] | None, exc: Exception | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(found or [])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -145,6 +146,9 @@ class MembershipError(Exception):
     """The DNS answer or the file could not be had or read; the last good membership stands."""
 
 
+MAX_MEMBERSHIP_FILE_BYTES = 1 << 20
+
+
 def resolve(source: CollectorSource) -> list[Endpoint]:
     """The members ``source`` names now (blocking: DNS and file reads; call it in a thread).
 
@@ -158,10 +162,20 @@ def resolve(source: CollectorSource) -> list[Endpoint]:
             answers = socket.getaddrinfo(source.host, source.port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:
             raise MembershipError(f"dns:///{source.host}:{source.port} does not resolve: {exc}") from None
-        addresses = {str(sockaddr[0]) for _family, _type, _proto, _name, sockaddr in answers}
+        # One address family: a collector listens on 0.0.0.0 (IPv4) by default, and a dual-stack name would
+        # otherwise make each collector two members, one of them nobody listens on. IPv4 when there is any.
+        v4 = {str(a[4][0]) for a in answers if a[0] == socket.AF_INET}
+        addresses = v4 or {str(a[4][0]) for a in answers}
         return [Endpoint(address.lower(), source.port) for address in sorted(addresses)]
+    path = Path(source.path)
     try:
-        text = Path(source.path).read_text()
+        # A FIFO or a device would block the read (and the agent's shutdown) for ever; a huge file is no list.
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise MembershipError(f"{source.path} is not a regular file")
+        if info.st_size > MAX_MEMBERSHIP_FILE_BYTES:
+            raise MembershipError(f"{source.path} is larger than {MAX_MEMBERSHIP_FILE_BYTES} bytes")
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise MembershipError(f"cannot read {source.path}: {exc}") from None
     try:

@@ -18,9 +18,9 @@ PostgreSQL only: a cluster needs a database that several processes on several ho
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from sqlalchemy import Connection, Engine, case, func, select, text
@@ -29,10 +29,10 @@ from sqlalchemy.dialects.postgresql import insert
 from spikehound.model import MetricKind, MetricPoint
 from storage import schema
 
-__all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "add_feed_row", "block_payloads", "claim_lead",
-           "depose_silent_leader", "heartbeat", "last_seq", "load_cursors", "members", "pack_points",
-           "pending_block_ids", "read_feed", "release_lead", "save_cursors", "still_leading", "trim_feed",
-           "try_lead", "unpack_points"]
+__all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "MemberNameInUse", "add_feed_row", "block_payloads",
+           "claim_lead", "depose_silent_leader", "feed_members", "heartbeat", "join", "last_seq", "leader_present",
+           "load_cursors", "members", "pack_points", "pending_block_ids", "prune_members", "read_feed",
+           "release_lead", "save_cursors", "still_leading", "trim_feed", "try_lead", "unpack_points"]
 
 LEADER_LOCK = 0x5350_4B48_0002  # the detection leader's advisory lock ("SPKH" 2)
 _DB_NOW_SQL = "(extract(epoch from clock_timestamp()) * 1000000000)::bigint"
@@ -102,17 +102,77 @@ def last_seq(engine: Engine, member: str) -> int:
     return max(int(v) for v in found if v is not None) if any(v is not None for v in found) else 0
 
 
-def heartbeat(engine: Engine, member: str, api_url: str, fed_seq: int, *, starting: bool = False) -> None:
-    """Say ``member`` is alive (``starting``: it has just started, which the leader watches for)."""
+class MemberNameInUse(Exception):
+    """Another live process runs as this member."""
+
+
+def join(engine: Engine, member: str, instance: str, api_url: str, *, heartbeat_s: float, timeout_s: float,
+         sleep: Callable[[float], None] = time.sleep) -> None:
+    """Become ``member`` (process token ``instance``): its row says so, with a fresh start and heartbeat.
+
+    A row of another process that is younger than ``timeout_s`` is watched for three heartbeats: if its
+    heartbeat moves, that process lives and MemberNameInUse is raised (two collectors given one name would
+    number their feed rows over each other); if not, it died (a restart after a crash) and the name is taken.
+    """
     m = schema.cluster_members
-    stmt = insert(m).values(member=member, started_at=_DB_NOW_NS, heartbeat_at=_DB_NOW_NS, fed_seq=fed_seq,
-                            api_url=api_url)
-    updates: dict[str, Any] = {"heartbeat_at": stmt.excluded.heartbeat_at, "api_url": stmt.excluded.api_url,
-                               "fed_seq": func.greatest(m.c.fed_seq, stmt.excluded.fed_seq)}
-    if starting:
-        updates["started_at"] = stmt.excluded.started_at
+
+    def current() -> tuple[str, int, float] | None:
+        with engine.connect() as conn:
+            row = conn.execute(select(m.c.instance, m.c.heartbeat_at, (_DB_NOW_NS - m.c.heartbeat_at) / 1e9)
+                               .where(m.c.member == member)).first()
+        return (str(row[0]), int(row[1]), float(row[2])) if row is not None else None
+
+    first = current()
+    if first is not None and first[0] != instance and first[2] < timeout_s:
+        waited = 0.0
+        while waited < 3 * heartbeat_s:
+            sleep(heartbeat_s / 2)
+            waited += heartbeat_s / 2
+            now = current()
+            if now is not None and now[0] == first[0] and now[1] != first[1]:
+                raise MemberNameInUse(f"another collector runs as member {member!r} (its heartbeat is "
+                                      f"{now[2]:.1f} s old); give each collector its own cluster.member")
+    stmt = insert(m).values(member=member, started_at=_DB_NOW_NS, heartbeat_at=_DB_NOW_NS, fed_seq=0,
+                            api_url=api_url, instance=instance)
     with engine.begin() as conn:
-        conn.execute(stmt.on_conflict_do_update(index_elements=["member"], set_=updates))
+        conn.execute(stmt.on_conflict_do_update(index_elements=["member"], set_={
+            "started_at": stmt.excluded.started_at, "heartbeat_at": stmt.excluded.heartbeat_at,
+            "api_url": stmt.excluded.api_url, "instance": stmt.excluded.instance}))
+
+
+def heartbeat(engine: Engine, member: str, instance: str, fed_seq: int) -> bool:
+    """Say ``member`` is alive; False when another process has taken the name (this one's beats no longer
+    count)."""
+    m = schema.cluster_members
+    with engine.begin() as conn:
+        done = conn.execute(m.update().where(m.c.member == member, m.c.instance == instance).values(
+            heartbeat_at=_DB_NOW_NS, fed_seq=func.greatest(m.c.fed_seq, fed_seq)))
+    return bool(done.rowcount)
+
+
+def prune_members(conn: Connection, older_than_s: float) -> int:
+    """Forget members silent for ``older_than_s`` that have no feed rows left (renamed or retired hosts); their
+    cursor stays, so a member that comes back under its name numbers on from it."""
+    m, f = schema.cluster_members, schema.cluster_feed
+    stale = (_DB_NOW_NS - m.c.heartbeat_at) / 1e9 > older_than_s
+    done = conn.execute(m.delete().where(stale, m.c.leader_pid.is_(None),
+                                         ~m.c.member.in_(select(f.c.member).distinct())))
+    return int(done.rowcount or 0)
+
+
+def feed_members(conn: Connection) -> list[str]:
+    """The members that have rows in the feed now (it holds about a checkpoint's worth)."""
+    f = schema.cluster_feed
+    return sorted(str(r) for r in conn.execute(select(f.c.member).distinct()).scalars())
+
+
+def leader_present(conn: Connection) -> bool:
+    """Whether some session holds the leader's lock now."""
+    found = conn.execute(text("SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = :high "
+                              "AND objid = :low AND objsubid = 1"),
+                         {"high": LEADER_LOCK >> 32, "low": LEADER_LOCK & 0xFFFFFFFF}).first()
+    conn.commit()
+    return found is not None
 
 
 def members(conn: Connection) -> list[Member]:

@@ -284,6 +284,9 @@ cluster_members = Table(
     Column("heartbeat_at", BigInteger, nullable=False),  # unix ns, database clock
     Column("fed_seq", BigInteger, nullable=False),  # its last feed row committed
     Column("api_url", String(255), nullable=False),
+    # A random token of the process that runs as this member now: a second process given the same name is
+    # refused at start, and its heartbeats would not count.
+    Column("instance", String(32), nullable=False, server_default=""),
     # The backend process id of the leader's session, on the leader's row only: a follower that finds the lock
     # held by a member whose heartbeats stopped (a hung process keeps its session) ends that session.
     Column("leader_pid", BigInteger, nullable=True),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -298,6 +299,28 @@ def test_a_dns_name_resolves_to_every_address_and_a_bad_one_is_an_error():
     assert "127.0.0.1:4317" in [e.key for e in found]
     with pytest.raises(MembershipError):
         resolve(parse_collectors("dns:///no-such-host.invalid:4317"))
+
+
+def test_a_dual_stack_name_gives_one_member_per_collector(monkeypatch: pytest.MonkeyPatch):
+    """A name with A and AAAA records (a dual-stack headless service): the IPv4 addresses only, as a collector
+    listens on 0.0.0.0 by default. (The answer is faked: this machine has no such name.)"""
+    answers = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::7", 4317, 0, 0)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", 4317))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: answers)
+    assert [e.key for e in resolve(parse_collectors("dns:///collectors.internal:4317"))] == ["10.0.0.7:4317"]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: answers[:1])  # IPv6 only: those
+    assert [e.key for e in resolve(parse_collectors("dns:///collectors.internal:4317"))] == ["[fd00::7]:4317"]
+
+
+def test_a_membership_file_that_is_no_regular_file_is_refused_without_blocking(tmp_path: Path):
+    fifo = tmp_path / "collectors"
+    os.mkfifo(fifo)  # a read would block until someone writes
+    with pytest.raises(MembershipError, match="is not a regular file"):
+        resolve(parse_collectors(f"file://{fifo}"))
+    big = tmp_path / "big"
+    big.write_text("127.0.0.1:4317\n" * 100_000)
+    with pytest.raises(MembershipError, match="larger than"):
+        resolve(parse_collectors(f"file://{big}"))
 
 
 def test_the_sticky_map_forgets_after_its_time_and_evicts_the_oldest_when_full():

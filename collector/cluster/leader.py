@@ -53,6 +53,8 @@ NS = 1_000_000_000
 FEED_ROWS = 32  # feed rows read per member and poll
 POLL_SECONDS = 0.25
 REFILL_BLOCKS = 256
+PRUNE_MEMBERS_SECONDS = 86_400.0  # a member silent this long, with nothing left in the feed, is forgotten
+NO_LEADER_CHECK_SECONDS = 5.0  # a member that may not lead looks this often whether another does
 T = TypeVar("T")
 
 
@@ -123,8 +125,32 @@ class DetectionLeader:
     async def start(self) -> None:
         if not self.cfg.cluster.lead:
             log.info("%s stores its share and never leads detection (cluster.lead = false)", self.member)
+            self._task = asyncio.create_task(self._watch_for_a_leader(), name="detection-leader-watch")
             return
         self._task = asyncio.create_task(self._campaign(), name="detection-leader")
+
+    async def _watch_for_a_leader(self) -> None:
+        """On a member that may not lead: say when no member leads (nothing is judged, alerted or deleted)."""
+        missing_since: float | None = None
+        said = False
+        while not self._stop.is_set():
+            try:
+                present = await asyncio.to_thread(self._leader_present)
+            except Exception:  # the database away: the pipeline says so
+                present = True
+            if present:
+                missing_since, said = None, False
+            else:
+                missing_since = missing_since if missing_since is not None else self.clock()
+                if not said and self.clock() - missing_since > self.cfg.cluster.member_timeout_seconds:
+                    said = True
+                    log.warning("no collector leads the cluster: nothing is judged, no alert is sent, retention "
+                                "does not run (every member up has cluster.lead = false?)")
+            await self._pause(NO_LEADER_CHECK_SECONDS)
+
+    def _leader_present(self) -> bool:
+        with self.engine.connect() as conn:
+            return cluster.leader_present(conn)
 
     async def stop(self) -> None:
         """Stop campaigning; a leader writes what it closed, saves its checkpoint and lets go of the lock."""
@@ -378,8 +404,7 @@ class DetectionLeader:
         timeout = self.cfg.cluster.member_timeout_seconds
         with conn.begin():
             members = cluster.members(conn)
-            names = sorted({m.member for m in members} | set(self._fetched))
-            rows = cluster.read_feed(conn, self._fetched, names, FEED_ROWS)
+            rows = cluster.read_feed(conn, self._fetched, cluster.feed_members(conn), FEED_ROWS)
             payloads = cluster.block_payloads(conn, [i for r in rows for i in r.block_ids])
         self.members_live = sum(1 for m in members if m.age_s < timeout)
         self._watch(members)
@@ -412,6 +437,7 @@ class DetectionLeader:
             cluster.save_cursors(conn, self._cursors)
         with conn.begin():
             cluster.trim_feed(conn, self._cursors)
+            cluster.prune_members(conn, PRUNE_MEMBERS_SECONDS)
 
     def _fence(self, conn: Connection) -> None:
         if not cluster.still_leading(conn):

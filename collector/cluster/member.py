@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
+import secrets
 import socket
 from collections.abc import Callable
 
 from sqlalchemy import Engine
 
 from collector.storage_health import StorageHealth
-from spikehound.config import ClusterConfig
+from spikehound.config import ClusterConfig, ConfigError
 from storage import cluster
 from storage.cluster import FeedStamp
 
@@ -35,7 +37,10 @@ def default_member_name(grpc_port: int) -> str:
     """
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "collector"
     suffix = f":{grpc_port}" if grpc_port else f":pid{os.getpid()}"
-    return host[:64 - len(suffix)] + suffix
+    if len(host) + len(suffix) > 64:  # cut, with a hash of the whole name: hosts alike in front stay apart
+        digest = hashlib.blake2b(host.encode(), digest_size=4).hexdigest()
+        host = f"{host[:64 - len(suffix) - 9]}-{digest}"
+    return host + suffix
 
 
 class ClusterMember:
@@ -52,6 +57,8 @@ class ClusterMember:
         self.api_url = api_url
         self.health = health
         self._seq: int | None = None  # the last feed number committed; None: ask the database
+        self.instance = secrets.token_hex(8)  # this process, among any that are given the same name
+        self._displaced = False  # another process has taken the name (said once)
         self._task: asyncio.Task[None] | None = None
 
     def stamp(self) -> FeedStamp:
@@ -67,10 +74,21 @@ class ClusterMember:
 
     def probe(self) -> None:
         """A small real write (during a storage outage with no sender's data): the heartbeat."""
-        cluster.heartbeat(self.engine, self.member, self.api_url(), self._seq or 0)
+        if cluster.heartbeat(self.engine, self.member, self.instance, self._seq or 0):
+            self._displaced = False
+        elif not self._displaced:
+            self._displaced = True
+            log.error("another collector has started as member %s: this one's heartbeats no longer count, and both "
+                      "number their commits over each other; stop one, or give each its own cluster.member",
+                      self.member)
 
     async def start(self) -> None:
-        await asyncio.to_thread(cluster.heartbeat, self.engine, self.member, self.api_url(), 0, starting=True)
+        """Join as ``member``; ConfigError (exit status 2) when another live collector runs under that name."""
+        try:
+            await asyncio.to_thread(cluster.join, self.engine, self.member, self.instance, self.api_url(),
+                                    heartbeat_s=self.cfg.heartbeat_seconds, timeout_s=self.cfg.member_timeout_seconds)
+        except cluster.MemberNameInUse as exc:
+            raise ConfigError(f"cluster.member: {exc}") from None
         log.info("member %s of the cluster on this database", self.member)
         self._task = asyncio.create_task(self._beat(), name="cluster-heartbeat")
 

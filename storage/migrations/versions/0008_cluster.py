@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("heartbeat_at", sa.BigInteger(), nullable=False),
         sa.Column("fed_seq", sa.BigInteger(), nullable=False),
         sa.Column("api_url", sa.String(255), nullable=False),
+        sa.Column("instance", sa.String(32), nullable=False, server_default=""),
         sa.Column("leader_pid", sa.BigInteger(), nullable=True),
     )
     op.create_table(
