@@ -616,7 +616,8 @@ def _check_cluster(cfg: Config, named: Callable[[str], str]) -> None:
                           f"got {k.member!r}")
     if k.enabled and not cfg.database_url.startswith(("postgresql://", "postgresql+psycopg://", "postgres://")):
         raise ConfigError(f"{named('cluster.enabled')}: collectors share their work through one PostgreSQL "
-                          f"database; storage.url is {redact_url(cfg.database_url)!r}")
+                          f"database; storage.url is {redact_url(cfg.database_url)!r}: set a postgresql:// "
+                          "storage.url, or cluster.enabled = false")
 
 
 def _check_profiling(a: AgentConfig, named: Callable[[str], str]) -> None:

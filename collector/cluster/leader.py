@@ -268,7 +268,7 @@ class DetectionLeader:
             found = checkpoints.load(conn, CHECKPOINT_NAME)
             cursors = cluster.load_cursors(conn)
         engine = DetectionEngine(self.settings)
-        what = "nothing (no checkpoint)"
+        what = "no checkpoint yet (the detectors read every member's feed from its start)"
         if found is not None and found.format == CHECKPOINT_FORMAT:
             try:
                 engine = DetectionEngine.restore(self.settings, found.state)
@@ -340,7 +340,7 @@ class DetectionLeader:
         if engine.windows.hold is not None and not self._missing and (
                 not self.catch_up.active or self.catch_up.done()):
             steps = close_held(engine, self.settings.window_ns, lambda: keep(engine.advance()))
-            log.info("no member is missing: the windows held for them were closed in %d step(s)", steps)
+            log.info("the windows wait for no member any more: those held were closed in %d step(s)", steps)
         elif not rows and not any(self._waiting.values()):
             c = self.cfg.collector
             idle = self.clock() - self._last_input
