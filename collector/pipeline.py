@@ -365,17 +365,17 @@ class IngestPipeline:
         Only the commit may raise: the hooks and the detectors after it count their own failures, so that a
         batch on disk is never answered as a failed write.
         """
-        if self.member is not None and (batch.spans or batch.points):
-            batch = replace(batch, feed=self.member.stamp())
-            try:
-                self.writer.write(batch)
-            except Exception:
-                self.member.forget()  # it may have committed all the same (an answer lost with the connection)
-                raise
-            assert batch.feed is not None
-            self.member.committed(batch.feed)
-        else:
+        member = self.member if batch.spans or batch.points else None
+        if member is not None:
+            batch = replace(batch, feed=member.stamp())
+        try:
             self.writer.write(batch)
+        except Exception:
+            if member is not None:
+                member.forget()  # it may have committed all the same (an answer lost with the connection)
+            raise
+        if member is not None and batch.feed is not None:
+            member.committed(batch.feed)
         self.commit_hooks.run(batch)
         if not self.detects or (not batch.spans and not batch.points):
             return Detection()
@@ -439,10 +439,6 @@ class IngestPipeline:
             self.health.note("detector checkpoint", exc)
             return
         self.telemetry.checkpoint_seconds.observe(time.perf_counter() - started)
-
-    def _member_probe(self) -> None:
-        assert self.member is not None
-        self.member.probe()
 
     def _save_checkpoint(self) -> None:
         # With the position storage is at now: this runs on the writer thread, between two commits.
@@ -514,7 +510,7 @@ class IngestPipeline:
             await self._write_pending()
             return
         try:  # sizeable, so a full disk does not pass it (a member's heartbeat is small, but its own)
-            await self.writer_thread.run(self._save_checkpoint if self.detects else self._member_probe)
+            await self.writer_thread.run(self._save_checkpoint if self.member is None else self.member.probe)
         except Exception as exc:
             self.telemetry.write_errors.inc()
             await self._backoff(exc)

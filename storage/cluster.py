@@ -36,6 +36,9 @@ __all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "MemberNameInUse", "
 
 LEADER_LOCK = 0x5350_4B48_0002  # the detection leader's advisory lock ("SPKH" 2)
 _DB_NOW_SQL = "(extract(epoch from clock_timestamp()) * 1000000000)::bigint"
+# pg_locks shows a bigint advisory key as two 32-bit halves (classid, objid) with objsubid 1.
+_LEADER_LOCK_HELD = "l.locktype = 'advisory' AND l.granted AND l.classid = :high AND l.objid = :low AND l.objsubid = 1"
+_LEADER_LOCK_KEY = {"high": LEADER_LOCK >> 32, "low": LEADER_LOCK & 0xFFFFFFFF}
 _DB_NOW_NS = text(_DB_NOW_SQL)
 
 
@@ -168,9 +171,7 @@ def feed_members(conn: Connection) -> list[str]:
 
 def leader_present(conn: Connection) -> bool:
     """Whether some session holds the leader's lock now."""
-    found = conn.execute(text("SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = :high "
-                              "AND objid = :low AND objsubid = 1"),
-                         {"high": LEADER_LOCK >> 32, "low": LEADER_LOCK & 0xFFFFFFFF}).first()
+    found = conn.execute(text(f"SELECT 1 FROM pg_locks l WHERE {_LEADER_LOCK_HELD}"), _LEADER_LOCK_KEY).first()
     conn.commit()
     return found is not None
 
@@ -264,9 +265,7 @@ def depose_silent_leader(conn: Connection, timeout_s: float) -> str | None:
     m = schema.cluster_members
     found = conn.execute(text(
         f"SELECT l.pid, m.member, ({_DB_NOW_SQL} - m.heartbeat_at) / 1e9 FROM pg_locks l "
-        "JOIN cluster_members m ON m.leader_pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
-        "AND l.classid = :high AND l.objid = :low AND l.objsubid = 1"),
-        {"high": LEADER_LOCK >> 32, "low": LEADER_LOCK & 0xFFFFFFFF}).first()
+        f"JOIN cluster_members m ON m.leader_pid = l.pid WHERE {_LEADER_LOCK_HELD}"), _LEADER_LOCK_KEY).first()
     conn.commit()
     if found is None or found[2] <= timeout_s:
         return None
