@@ -1,6 +1,5 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
-# Each creates .venv (spikehound's own environment: its top-level packages
-# agent/collector/detectors/storage must never mix with PyPI's namesakes).
+# Each creates .venv and installs spikehound (one top-level package, `spikehound`) into it.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -58,4 +57,4 @@ bench-web-page: $(STAMP) chromium
 gpu-check: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m gpu -rs tests/test_nvml_sampler.py
 	mkdir -p nvml-recordings
-	$(BIN)/python -m agent.samplers.nvml --record nvml-recordings/$$(hostname)-$$(date +%s).json --samples 5
+	$(BIN)/python -m spikehound.agent.samplers.nvml --record nvml-recordings/$$(hostname)-$$(date +%s).json --samples 5

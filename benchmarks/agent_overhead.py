@@ -168,10 +168,10 @@ def node_exporter() -> str | None:
 
 def serve_agent_without_samplers() -> int:
     """Run an agent configured from the environment, with no samplers: the breakdown's forwarding-only agent."""
-    from agent.runtime import prefer_poll_transport, run
+    from spikehound.agent.runtime import prefer_poll_transport, run
 
     prefer_poll_transport()  # as `spikehound agent` does
-    from agent.daemon import Agent
+    from spikehound.agent.daemon import Agent
     from spikehound.config import load as load_config
     from spikehound.lifecycle import serve
 

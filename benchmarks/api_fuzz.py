@@ -21,7 +21,7 @@ Schema cannot say, so a schema-valid request may rightly get a 400; and an empty
 read as none given), ``use_after_free`` (a silence ended with DELETE stays readable as expired, by
 design, docs/alerts.md), ``ignored_auth`` (the run has no token; tests/test_api.py covers tokens).
 
-The requests name the collector by address (its Host check, collector/cross_site.py, passes them) and send
+The requests name the collector by address (its Host check, spikehound/collector/cross_site.py, passes them) and send
 JSON bodies as application/json, as the document asks. Exit status: schemathesis's (0: no failure), or 1
 when the collector logged an error or died.
 """

@@ -49,10 +49,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from benchmarks.ingest import NS, Collector, machine_busy_seconds, make_trace, process_cpu_seconds
 from spikehound.model import Span
 from spikehound.otlp import decode_spans, encode_spans
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.reader import Reader
-from storage.writer import SpanBlock, WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.reader import Reader
+from spikehound.storage.writer import SpanBlock, WriteBatch, Writer
 
 TARGET_SECONDS = 5.0
 BLOCK = 512

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 
 from benchmarks import mesh_detection
-from detectors.settings import DetectionSettings
 from harness.detection import run, scenarios, score
+from spikehound.detectors.settings import DetectionSettings
 from spikehound.scenarios.traffic import ENTRY
 
 

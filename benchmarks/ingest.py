@@ -514,7 +514,7 @@ def count_span_rows(db_url: str) -> int | None:
     """Spans held by the stored span blocks (None when they cannot be read, e.g. no schema yet)."""
     from sqlalchemy import text
 
-    from storage.engine import make_engine
+    from spikehound.storage.engine import make_engine
 
     engine = make_engine(db_url)
     try:

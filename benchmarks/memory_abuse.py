@@ -400,7 +400,7 @@ def prune(collector: Collector, db: Path, config: Path) -> int:
     collector.proc.send_signal(signal.SIGHUP)
     while time.monotonic() < started + RETENTION_SECONDS:
         time.sleep(1)
-        if "operations not recorded" in collector.log_tail(200):  # storage/retention.py's line once it is done
+        if "operations not recorded" in collector.log_tail(200):  # retention's line once done
             print(f"  retention took {time.monotonic() - started:.0f} s", flush=True)
             break
     return operations_rows(db)

@@ -11,8 +11,8 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from detectors.settings import DetectionSettings
 from harness.mesh_detection import MeshRun, MeshScore, run, score, timelines
+from spikehound.detectors.settings import DetectionSettings
 from spikehound.scenarios.mesh_traffic import FAULT_KINDS
 
 

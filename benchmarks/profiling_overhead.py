@@ -13,7 +13,7 @@ configuration alike.
     iterations per wall second are shown too. Target: under 2 % at 19 Hz.
 (b) **The profiler's own cost**: CPU seconds of the py-spy process (its rusage, from ``os.wait4``) per
     wall second, as % of one core, for one profiled process; start-up included, as each window is one
-    py-spy run. Target: under 1 % at 19 Hz. Plus the time the agent's parser (``agent.profiler.parse_folded``)
+    py-spy run. Target: under 1 % at 19 Hz. Plus the time the agent's parser (``profiler.parse_folded``)
     takes over a window's raw (folded) output.
 
 ``profile_once(pid, seconds, rate, flags)`` runs py-spy as the agent does (its executable and thread flags).
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.profiler import THREAD_FLAGS, find_py_spy, parse_folded
 from harness.cpu_burner import CpuBurner, Throughput
+from spikehound.agent.profiler import THREAD_FLAGS, find_py_spy, parse_folded
 
 # (label, Hz, py-spy's thread flags): the agent's default (agent.profile_threads = "gil"), py-spy reading every
 # thread each sample ("cpu"), and the default at py-spy's own rate to show the trend.

@@ -3,7 +3,7 @@
 Run from the repository root: ``python -m benchmarks.retention`` (SQLite in a temporary directory), with
 ``--postgres`` to also run on a throwaway PostgreSQL server (harness/pgserver.py), or ``--db URL``.
 
-What is measured, on one store filled through the real ``storage.writer.Writer``:
+What is measured, on one store filled through the real ``spikehound.storage.writer.Writer``:
 
 1. **Reference** -- a full recount, the way a naive size cap would read the store at every run:
    ``sum(length(payload))`` over the span blocks and ``count(*)`` over the metric points.
@@ -31,11 +31,11 @@ from sqlalchemy import Engine, func, select, text
 
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.retention import Retention, RetentionPolicy
-from storage.schema import metric_points, span_blocks
-from storage.writer import SpanBlock, WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.retention import Retention, RetentionPolicy
+from spikehound.storage.schema import metric_points, span_blocks
+from spikehound.storage.writer import SpanBlock, WriteBatch, Writer
 
 S = 1_000_000_000
 YEAR_S = 365 * 86_400

@@ -36,7 +36,7 @@ class CollectorThread:
     """A collector running in this process on its own event loop thread."""
 
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.time) -> None:
-        from collector.daemon import Collector
+        from spikehound.collector.daemon import Collector
 
         self.cfg = cfg
         self.collector = Collector(cfg, alerting_clock=clock)

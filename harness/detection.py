@@ -9,7 +9,7 @@ Two families of traffic. This module's own is **dense inference traffic** (below
 :mod:`harness.mesh_detection`, run after it.
 
 Every fault of :mod:`spikehound.scenarios.traffic` runs at a large and a subtle strength, and every control
-once, per seed, through the same :class:`detectors.engine.DetectionEngine` the collector runs, in
+once, per seed, through the same :class:`spikehound.detectors.engine.DetectionEngine` the collector runs, in
 event time. Scored:
 
 - **recall**: a fault is found when a spike opens on any stream between one window before its onset
@@ -34,8 +34,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from detectors.engine import DetectionEngine
-from detectors.settings import DetectionSettings
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Cause, LatencyWindow, Spike
 from spikehound.scenarios.traffic import CONTROLS, FAULTS, Scenario, Truth
 

@@ -48,13 +48,13 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from collector.analysis import parse_selection
-from collector.rest.common import ApiError, whole_number
-from collector.rest.jaeger import go_duration_ns, parse_trace_id
 from harness.api_client import ApiClient, get_json
 from harness.daemons import CollectorThread
 from harness.scenario_io import scenario_requests, send
 from spikehound import cli
+from spikehound.collector.analysis import parse_selection
+from spikehound.collector.rest.common import ApiError, whole_number
+from spikehound.collector.rest.jaeger import go_duration_ns, parse_trace_id
 from spikehound.model import MetricKind, SpanKind, StatusCode
 from spikehound.otlp import (
     MAX_TIME_NS,
@@ -716,7 +716,7 @@ PARSERS = Property("query parameter parsers", VALUES, check_parsers)
 
 # --- a real collector ---------------------------------------------------------------------------------------
 
-# The answers OTLP/HTTP documents (collector/otlp_http.py): 429 and 503 only with a Retry-After.
+# The answers OTLP/HTTP documents (spikehound/collector/otlp_http.py): 429 and 503 only with a Retry-After.
 OTLP_HTTP_STATUSES = {200, 400, 413, 415, 429, 503}
 MEDIA = st.sampled_from(["application/x-protobuf", "application/protobuf", "application/json",
                          "application/json; charset=utf-8", "text/plain", ""])

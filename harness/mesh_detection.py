@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from detectors.engine import DetectionEngine
-from detectors.settings import DetectionSettings
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Spike
 from spikehound.scenarios.mesh_traffic import MeshFault, MeshTimeline
 

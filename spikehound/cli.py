@@ -59,8 +59,8 @@ def _add_config_flags(p: argparse.ArgumentParser, *, listeners: bool = True) -> 
 
 
 def cmd_collector(args: argparse.Namespace) -> int:
-    from collector.daemon import Collector
     from spikehound import logs
+    from spikehound.collector.daemon import Collector
     from spikehound.lifecycle import serve
 
     cfg = _config(args)
@@ -73,11 +73,11 @@ def cmd_collector(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from agent.runtime import prefer_poll_transport, run
+    from spikehound.agent.runtime import prefer_poll_transport, run
 
-    prefer_poll_transport()  # before agent.daemon loads gRPC
-    from agent.daemon import Agent
+    prefer_poll_transport()  # before spikehound.agent.daemon loads gRPC
     from spikehound import logs
+    from spikehound.agent.daemon import Agent
     from spikehound.lifecycle import serve
 
     cfg = _config(args)
@@ -108,8 +108,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from storage.engine import make_engine
-    from storage.migrate import upgrade
+    from spikehound.storage.engine import make_engine
+    from spikehound.storage.migrate import upgrade
 
     cfg = _config(args)
     revision = upgrade(make_engine(cfg.database_url, sqlite_synchronous=cfg.storage.sqlite_synchronous))
@@ -156,8 +156,8 @@ def cmd_spikes(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from collector.detection import detection_settings
-    from collector.replay import replay
+    from spikehound.collector.detection import detection_settings
+    from spikehound.collector.replay import replay
     from spikehound.model_json import spike_json
     from spikehound.otlp_file import OtlpFileError
 
@@ -204,7 +204,7 @@ def cmd_spike(args: argparse.Namespace) -> int:
     _print_profile(args.api_url, spike["id"])
     for trace_id in spike["exemplar_trace_ids"]:
         print(_safe(f"  trace {args.api_url.rstrip('/')}/api/v1/traces/{trace_id}"))
-    from collector.web.links import spike_page_url
+    from spikehound.collector.web.links import spike_page_url
 
     print(_safe(f"  page  {spike_page_url(args.api_url, spike['id'])}"))
     return 0
@@ -305,9 +305,9 @@ def _cannot_run(command: str, exc: Exception) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from detectors.compare import CompareOptions, compare, comparison_report
-    from detectors.profile import Profile
     from spikehound.analysis_report import comparison_lines
+    from spikehound.detectors.compare import CompareOptions, compare, comparison_report
+    from spikehound.detectors.profile import Profile
 
     if (args.baseline is None) == (args.baseline_file is None) or args.candidate is None:
         return _cannot_run("compare", ValueError("give --candidate, and --baseline or --baseline-file"))

@@ -1,6 +1,6 @@
 """Protobuf's wire format, walked by hand where encoded OTLP is edited without decoding it.
 
-The agent splices enriched resources into requests (``agent/enrich.py``) and
+The agent splices enriched resources into requests (``spikehound/agent/enrich.py``) and
 the ingest benchmark patches span times in place (``benchmarks/ingest.py``);
 both need only to step over fields, which the protobuf runtime does not offer
 publicly.

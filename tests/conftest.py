@@ -16,10 +16,10 @@ from sqlalchemy import Engine, event
 from harness.daemons import CollectorThread, collector_config
 from harness.pgserver import PostgresServer, find_pg_bin
 from spikehound.model import ProfileStack
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.reader import Reader
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.reader import Reader
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.ci import IN_CI
 from tests.support.storage_data import NOW, SPIKES, T0, S, make_span, point, window
 

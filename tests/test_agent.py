@@ -36,11 +36,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from agent.enrich import machine_id
 from harness.api_client import ApiClient, get_json, wait_json
 from harness.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound import __version__
+from spikehound.agent.enrich import machine_id
 from tests.support.sdk_traffic import SdkApp, send_spans, trace_request
 
 HOST = "gpu-node-3"

@@ -19,12 +19,12 @@ from aiohttp import web
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent.enrich import Enricher
-from agent.forward_queue import ForwardQueue
-from agent.intake import Intake
-from agent.otlp_http import http_app
-from agent.spool import DiskSpool, Signal
 from harness.waiting import eventually
+from spikehound.agent.enrich import Enricher
+from spikehound.agent.forward_queue import ForwardQueue
+from spikehound.agent.intake import Intake
+from spikehound.agent.otlp_http import http_app
+from spikehound.agent.spool import DiskSpool, Signal
 from spikehound.otlp import PayloadError
 from tests.support.spool_items import queued
 

@@ -1,4 +1,5 @@
-"""The agent routing whole traces to one of several collectors (``agent/routing.py``, ``agent/members.py``).
+"""The agent routing whole traces to one of several collectors (``agent/routing.py``,
+``agent/members.py`` in ``spikehound/``).
 
 Unit: rendezvous hashing moves only the changed member's traces and agrees across processes; a real OTLP
 request is split by owner with every trace whole; the router keeps traces on their member across a
@@ -23,13 +24,13 @@ from pathlib import Path
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent.intake import partition_request
-from agent.members import MEMBERS_DIR, Router
-from agent.routing import MembershipError, Rendezvous, StickyMap, resolve, safe_name
-from agent.spool import DiskSpool, Item, Signal
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.ports import free_port
 from harness.waiting import eventually
+from spikehound.agent.intake import partition_request
+from spikehound.agent.members import MEMBERS_DIR, Router
+from spikehound.agent.routing import MembershipError, Rendezvous, StickyMap, resolve, safe_name
+from spikehound.agent.spool import DiskSpool, Item, Signal
 from spikehound.config import ConfigError, load
 from spikehound.endpoints import parse_collectors
 from spikehound.model import Span, SpanKind, StatusCode
@@ -64,7 +65,7 @@ def test_every_process_agrees_on_the_owners():
     ids = [i.to_bytes(16, "big") for i in range(0, 2000, 7)]
     ring = Rendezvous(["10.0.0.1:4317", "10.0.0.2:4317", "https://c.example:4317"])
     here = "".join(ring.owner(t)[-6] for t in ids)  # one character that differs between the three
-    script = ("from agent.routing import Rendezvous\n"
+    script = ("from spikehound.agent.routing import Rendezvous\n"
               "ring = Rendezvous(['https://c.example:4317', '10.0.0.2:4317', '10.0.0.1:4317'])\n"
               "print(''.join(ring.owner(i.to_bytes(16, 'big'))[-6] for i in range(0, 2000, 7)))\n")
     for seed in ("1", "4242"):  # Python's own hash is salted per process: it must play no part

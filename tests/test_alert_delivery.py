@@ -25,9 +25,9 @@ from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
 from spikehound.config import Config
 from spikehound.model import Spike
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.writer import Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.writer import Writer
 from tests.support.alert_receivers import HookReceiver, signature_ok
 from tests.support.alert_spikes import PREPROCESS, SLOW_QUERY, S, ended, spike
 from tests.support.profiles import windows as profile_windows

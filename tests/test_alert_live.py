@@ -22,9 +22,9 @@ from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
 from spikehound.scenarios.traffic import Scenario
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.alert_receivers import HookReceiver, Received
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from collector.alerts.routing import GroupState, Router
-from collector.alerts.silences import Silence
+from spikehound.collector.alerts.routing import GroupState, Router
+from spikehound.collector.alerts.silences import Silence
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
 from spikehound.model import AffectedStream, CauseKind
 from spikehound.model_json import spike_json
@@ -297,8 +297,9 @@ def test_a_saved_group_holds_the_spike_as_the_api_shows_it_and_restores_it_exact
 
 def test_routing_loads_no_web_framework():
     """Routing is pure bookkeeping: importing it, and the notifiers, loads neither aiohttp nor jinja2."""
-    code = ("import sys, collector.alerts.routing, collector.alerts.silences, collector.notifiers.slack, "
-            "collector.notifiers.webhook\n"
+    code = ("import sys, spikehound.collector.alerts.routing, spikehound.collector.alerts.silences, "
+            "spikehound.collector.notifiers.slack, "
+            "spikehound.collector.notifiers.webhook\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'jinja2'}))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
 

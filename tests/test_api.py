@@ -13,16 +13,16 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector.rest import jaeger
-from collector.rest.app import build_app
-from collector.web.routes import is_web_path
 from harness.api_client import ApiClient
 from harness.daemons import CollectorThread, collector_config
+from spikehound.collector.rest import jaeger
+from spikehound.collector.rest.app import build_app
+from spikehound.collector.web.routes import is_web_path
 from spikehound.model import AffectedStream, Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.otlp import encode_spans
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.writer import WriteBatch, Writer
 
 
 def one_span_request(service: str = "svc") -> tuple[ExportTraceServiceRequest, str]:

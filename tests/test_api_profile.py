@@ -12,17 +12,17 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from sqlalchemy.exc import OperationalError
 
-from collector.rest.app import build_app
-from collector.spike_profile import BASELINE_MIN_NS, GAP_NS, culprit_line, periods, spike_profile
-from collector.telemetry import CollectorTelemetry
 from harness.api_client import ApiClient
 from harness.daemons import CollectorThread, collector_config
 from spikehound import cli
+from spikehound.collector.rest.app import build_app
+from spikehound.collector.spike_profile import BASELINE_MIN_NS, GAP_NS, culprit_line, periods, spike_profile
+from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.model import Cause, CauseKind, Spike
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.reader import Reader
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.reader import Reader
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.profiles import S, profiled_spike, seed, windows
 
 T0 = 1_767_225_600 * S  # 2026-01-01T00:00:00Z

@@ -25,9 +25,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
-from detectors.batching import BatchRequest, analyze_batching, batch_requests
 from harness.api_client import ApiClient
 from harness.daemons import CollectorThread, collector_config
+from spikehound.detectors.batching import BatchRequest, analyze_batching, batch_requests
 from spikehound.model import Span, StatusCode
 from spikehound.model import SpanKind as ModelKind
 from tests.support.cli import spikehound, unix

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from detectors.bootstrap import Sample, delta
+from spikehound.detectors.bootstrap import Sample, delta
 
 
 def naive_replicates(values: np.ndarray, q: float, rng: np.random.Generator, count: int) -> np.ndarray:

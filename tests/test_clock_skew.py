@@ -11,15 +11,15 @@ from pathlib import Path
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from detectors.engine import CHECKPOINT_FORMAT, DetectionEngine
-from detectors.settings import DetectionSettings
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
+from spikehound.detectors.engine import CHECKPOINT_FORMAT, DetectionEngine
+from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 from spikehound.otlp import encode_points, encode_spans
-from storage import checkpoints
-from storage.engine import make_engine
-from storage.migrate import upgrade
+from spikehound.storage import checkpoints
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
 
 NS = 1_000_000_000
 MS = 1_000_000

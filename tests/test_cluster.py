@@ -26,10 +26,10 @@ from harness.waiting import eventually
 from spikehound.config import ConfigError, load
 from spikehound.model import MetricKind, MetricPoint
 from spikehound.scenarios.traffic import Scenario
-from storage import cluster
-from storage.engine import make_engine
-from storage.migrate import current_revision, head_revision, upgrade
-from storage.writer import WriteBatch, Writer
+from spikehound.storage import cluster
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import current_revision, head_revision, upgrade
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.spike_fields import spike_fields
 from tests.support.storage_data import make_span
 

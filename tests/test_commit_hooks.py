@@ -10,11 +10,11 @@ import os
 import pytest
 import requests
 
-from collector.commit_hooks import CommitHooks
 from harness.api_client import get_json
 from harness.daemons import CollectorThread
 from harness.waiting import eventually
-from storage.writer import WriteBatch
+from spikehound.collector.commit_hooks import CommitHooks
+from spikehound.storage.writer import WriteBatch
 from tests.support.otlp_requests import post, request, span
 
 

@@ -1,13 +1,13 @@
-"""The compare verdict (detectors.compare) on known distributions: how often it errs, what it names."""
+"""The compare verdict (spikehound.detectors.compare) on known distributions: how often it errs, what it names."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from detectors.bootstrap import Sample
-from detectors.compare import CompareOptions, compare, comparison_report
-from detectors.path_time import Stage
-from detectors.profile import OperationProfile, Profile
+from spikehound.detectors.bootstrap import Sample
+from spikehound.detectors.compare import CompareOptions, compare, comparison_report
+from spikehound.detectors.path_time import Stage
+from spikehound.detectors.profile import OperationProfile, Profile
 
 MS = 1e6
 PRE, FWD = Stage("span", "pre", "resize"), Stage("span", "model", "forward")

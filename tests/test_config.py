@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from spikehound.config import ConfigError, HostPort, effective, load, redact_url, to_toml
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import current_revision, head_revision
 from spikehound.timefmt import parse_time, rfc3339
-from storage.engine import make_engine
-from storage.migrate import current_revision, head_revision
 
 SPIKEHOUND = str(Path(sys.executable).parent / "spikehound")
 NS = 1_000_000_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from detectors.critical_path import critical_path, critical_path_times, hop_callees
+from spikehound.detectors.critical_path import critical_path, critical_path_times, hop_callees
 from spikehound.model import Span, SpanKind, StatusCode
 
 

@@ -13,24 +13,24 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from collector.alerts.routing import Router
-from collector.ingest_queue import IngestQueue
-from collector.pipeline import IngestPipeline
-from collector.retention import RetentionRunner
-from collector.telemetry import CollectorTelemetry
-from collector.writer_thread import WriterThread
-from detectors.engine import DetectionEngine
-from detectors.resource import ResourceWatch
-from detectors.settings import DetectionSettings
 from harness.daemons import collector_config
+from spikehound.collector.alerts.routing import Router
+from spikehound.collector.ingest_queue import IngestQueue
+from spikehound.collector.pipeline import IngestPipeline
+from spikehound.collector.retention import RetentionRunner
+from spikehound.collector.telemetry import CollectorTelemetry
+from spikehound.collector.writer_thread import WriterThread
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.resource import ResourceWatch
+from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import MetricKind, MetricPoint, Span
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
-from storage import schema
-from storage.reader import Reader
-from storage.retention import Retention
-from storage.writer import WriteBatch, Writer
+from spikehound.storage import schema
+from spikehound.storage.reader import Reader
+from spikehound.storage.retention import Retention
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.alert_spikes import ended, spike
 
 NS = 1_000_000_000

@@ -18,23 +18,23 @@ from typing import Any
 
 import pytest
 
-from collector.ingest_queue import IngestQueue
-from collector.pipeline import IngestPipeline
-from collector.retention import RetentionRunner
-from collector.telemetry import CollectorTelemetry
-from collector.writer_thread import WriterThread
 from harness.api_client import list_spikes
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, detection_settled
 from harness.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
+from spikehound.collector.ingest_queue import IngestQueue
+from spikehound.collector.pipeline import IngestPipeline
+from spikehound.collector.retention import RetentionRunner
+from spikehound.collector.telemetry import CollectorTelemetry
+from spikehound.collector.writer_thread import WriterThread
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
-from storage import checkpoints
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.retention import Retention
-from storage.writer import WriteBatch, Writer
+from spikehound.storage import checkpoints
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.retention import Retention
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.spike_fields import spike_fields
 
 pytestmark = pytest.mark.slow

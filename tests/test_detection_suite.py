@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from detectors.settings import DetectionSettings
 from harness import mesh_detection
 from harness.detection import run, scenarios, score
+from spikehound.detectors.settings import DetectionSettings
 
 pytestmark = pytest.mark.slow
 

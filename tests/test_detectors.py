@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from river import base
 
-from detectors.engine import DetectionEngine
-from detectors.p99_spike import P99SpikeDetector
-from detectors.resource import ResourceDetector
-from detectors.sequential import TailSurprise
-from detectors.settings import DetectionSettings
-from detectors.streams import StreamKey
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.p99_spike import P99SpikeDetector
+from spikehound.detectors.resource import ResourceDetector
+from spikehound.detectors.sequential import TailSurprise
+from spikehound.detectors.settings import DetectionSettings
+from spikehound.detectors.streams import StreamKey
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.scenarios.traffic import Scenario
 

@@ -11,7 +11,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from agent.enrich import SENDER_HOST_KEY, Enricher
+from spikehound.agent.enrich import SENDER_HOST_KEY, Enricher
 from spikehound.otlp import PayloadError
 
 IDENTITY = {"host.name": "gpu-node-3", "host.id": "4f1c", "nvidia.gpu.uuids": ["GPU-1", "GPU-2"]}

@@ -23,9 +23,9 @@ from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from agent.forward_queue import ForwardQueue
-from agent.forwarder import Forwarder
-from agent.spool import DiskSpool, Item, Signal
+from spikehound.agent.forward_queue import ForwardQueue
+from spikehound.agent.forwarder import Forwarder
+from spikehound.agent.spool import DiskSpool, Item, Signal
 
 TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 METRICS = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"

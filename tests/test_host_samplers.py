@@ -20,11 +20,11 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.sample import Kind, Sample
-from agent.samplers import cpu as cpu_module
-from agent.samplers.cpu import CpuSampler
-from agent.samplers.network import NetworkSampler, parse_tcp
 from harness.waiting import eventually
+from spikehound.agent.sample import Kind, Sample
+from spikehound.agent.samplers import cpu as cpu_module
+from spikehound.agent.samplers.cpu import CpuSampler
+from spikehound.agent.samplers.network import NetworkSampler, parse_tcp
 
 MB = 1_000_000
 LINUX = sys.platform.startswith("linux")

@@ -1,6 +1,6 @@
 """Incidents: one spike per fault however many streams it moves; evidence combined, counted once, corrected.
 
-The rules on their own (detectors/incidents.py), then the whole engine on generated microservice traces:
+The rules on their own (spikehound/detectors/incidents.py), then the whole engine on generated microservice traces:
 a delay in front of a sparse service, a stall, a pause, two faults at once.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import random
 
-from detectors.engine import DetectionEngine
-from detectors.incidents import Group, IncidentBook, incident_onset
-from detectors.sequential import SequentialEvidence, SlowRequest
-from detectors.settings import DetectionSettings
-from detectors.stream_judge import Judgement
-from detectors.streams import StreamKey
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.incidents import Group, IncidentBook, incident_onset
+from spikehound.detectors.sequential import SequentialEvidence, SlowRequest
+from spikehound.detectors.settings import DetectionSettings
+from spikehound.detectors.stream_judge import Judgement
+from spikehound.detectors.streams import StreamKey
 from spikehound.model import Span, SpanKind, StatusCode
 
 NS = 1_000_000_000

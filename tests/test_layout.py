@@ -1,4 +1,9 @@
-"""The dependency rules of the layout (design brief, section 2), read from the imports; and the doctests."""
+"""The dependency rules of the layout (docs/architecture.md), read from the imports; and the doctests.
+
+Everything shipped lives in one top-level package, ``spikehound``: its core modules (``spikehound/*.py``, the
+demo, the scenarios) and four components below it (``spikehound.agent``, ``.collector``, ``.detectors``,
+``.storage``). The rules speak of "units": a component's name, ``core`` for the rest of ``spikehound``, or the
+top-level name of anything else."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import ast
 import doctest
 import graphlib
 import importlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("spikehound", "agent", "collector", "detectors", "storage")
+COMPONENTS = ("agent", "collector", "detectors", "storage")
+PACKAGES = ("spikehound",)
 OURS = frozenset(PACKAGES)
 OTHERS = frozenset({"tests", "benchmarks", "harness"})  # not shipped: what checks and measures the product
 # Not shipped: the tests, the benchmarks, and what both of them run (harness/).
@@ -38,13 +45,39 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def unit(name: str) -> str:
+    """``spikehound.agent.spool`` -> ``agent``; ``spikehound.model`` -> ``core``; ``numpy.linalg`` -> ``numpy``."""
+    parts = name.split(".")
+    if parts[0] != "spikehound":
+        return parts[0]
+    return parts[1] if len(parts) > 1 and parts[1] in COMPONENTS else "core"
+
+
+def package_dir(name: str) -> str:
+    """Where a unit's files are, relative to the repository root."""
+    return f"spikehound/{name}" if name in COMPONENTS else name
+
+
 def is_our_module(name: str) -> bool:
     base = ROOT.joinpath(*name.split("."))
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
 def source_files(*packages: str) -> list[Path]:
-    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+    return sorted(p for package in packages for p in (ROOT / package_dir(package)).rglob("*.py"))
+
+
+def tracked_files() -> list[Path]:
+    """Every file of the repository that git knows (tracked or new), as it is in the working tree."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
+def core_files() -> list[Path]:
+    """The core: ``spikehound/`` less its components."""
+    return [p for p in source_files("spikehound")
+            if unit(module_name(p)) == "core"]
 
 
 def imports_of(path: Path) -> Iterator[tuple[str, int]]:
@@ -63,7 +96,7 @@ def imports_of(path: Path) -> Iterator[tuple[str, int]]:
                 source = node.module or ""
             for alias in node.names:
                 candidate = f"{source}.{alias.name}"
-                # `from storage import schema` imports the module storage.schema
+                # `from storage import schema` imports the module spikehound.storage.schema
                 ours = source.split(".")[0] in OURS or source.split(".")[0] in TOOLING
                 yield (candidate if ours and is_our_module(candidate) else source), node.lineno
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
@@ -79,7 +112,8 @@ def top(name: str) -> str:
 
 def violations(packages: tuple[str, ...], allowed: object, *, skip: tuple[str, ...] = ()) -> list[str]:
     found = []
-    for path in source_files(*packages):
+    paths = [p for package in packages for p in (core_files() if package == "core" else source_files(package))]
+    for path in paths:
         rel = path.relative_to(ROOT).as_posix()
         if rel in skip:
             continue
@@ -92,23 +126,42 @@ def violations(packages: tuple[str, ...], allowed: object, *, skip: tuple[str, .
 
 def test_the_import_reader_sees_function_level_and_relative_imports():
     imports = {name for name, _ in imports_of(ROOT / "spikehound" / "cli.py")}
-    assert {"collector.daemon", "storage.migrate", "storage.engine", "spikehound.config"} <= imports
-    assert "storage.schema" in {name for name, _ in imports_of(ROOT / "storage" / "migrations" / "env.py")}
+    assert {"spikehound.collector.daemon", "spikehound.storage.migrate", "spikehound.storage.engine",
+            "spikehound.config"} <= imports
+    env = ROOT / "spikehound" / "storage" / "migrations" / "env.py"
+    assert "spikehound.storage.schema" in {name for name, _ in imports_of(env)}
     assert len(source_files(*PACKAGES)) >= 20
+    assert {unit(module_name(p)) for p in source_files("spikehound")} == {"core", *COMPONENTS}
+
+
+def test_one_top_level_package_and_no_bare_component_import():
+    """The distribution installs ``spikehound`` alone; ``import agent`` (a PyPI name like ``storage``) would
+    import somebody else's package in a model server's environment."""
+    bare = [f"{path.relative_to(ROOT).as_posix()}:{line} imports {name}"
+            for package in ("spikehound", *TOOLING) for path in source_files(package)
+            for name, line in imports_of(path) if top(name) in COMPONENTS]
+    assert bare == []
+    shipped = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name not in TOOLING)
+    assert shipped == ["spikehound"]
+    written = [f"{path.relative_to(ROOT).as_posix()}: {match.group(0)}"
+               for path in tracked_files() if path.suffix in (".py", ".toml", ".service", ".md", ".sh", "")
+               for match in re.finditer(r"(?:-m |PackageLoader\(\")(?:agent|collector|detectors|storage)\.\w+",
+                                        path.read_text(errors="replace"))]
+    assert written == []
 
 
 def test_the_core_imports_no_component_except_from_the_cli():
     def rule(name: str) -> str | None:
-        if top(name) in ("agent", "collector", "detectors", "storage"):
+        if unit(name) in COMPONENTS:
             return "the core (spikehound/) must not know the components; only spikehound/cli.py may"
         return None
 
-    assert violations(("spikehound",), rule, skip=("spikehound/cli.py",)) == []
+    assert violations(("core",), rule, skip=("spikehound/cli.py",)) == []
 
 
 def test_detectors_are_pure_computation_on_the_core_model():
     def rule(name: str) -> str | None:
-        if top(name) == "detectors" or name == "spikehound.model" or name.startswith("spikehound.model."):
+        if unit(name) == "detectors" or name == "spikehound.model" or name.startswith("spikehound.model."):
             return None
         if top(name) in IO_MODULES:
             return "detectors do no I/O, networking, storage or clock reading"
@@ -141,7 +194,7 @@ def test_storage_imports_the_core_sqlalchemy_alembic_and_orjson_only():
     def rule(name: str) -> str | None:
         if name == "spikehound.cli" or name.startswith("spikehound.cli."):
             return "the CLI knows every package; the core that storage may use is the rest of spikehound/"
-        if top(name) in ("storage", "spikehound"):  # the core: the model, its OTLP conversion (span blocks), ...
+        if unit(name) in ("storage", "core"):  # the core: the model, its OTLP conversion (span blocks), ...
             return None
         if top(name) in OURS:
             return "storage must not know the other components"
@@ -154,7 +207,7 @@ def test_storage_imports_the_core_sqlalchemy_alembic_and_orjson_only():
 
 def test_the_agent_talks_to_the_collector_over_otlp_only():
     def rule(name: str) -> str | None:
-        if top(name) in ("collector", "detectors", "storage"):
+        if unit(name) in ("collector", "detectors", "storage"):
             return "the agent talks to the collector over OTLP only"
         return None
 
@@ -203,11 +256,11 @@ def test_the_collector_has_no_import_cycles():
     for path in source_files("collector"):
         module = module_name(path)
         graph[module] = {name for name, _ in imports_of(path)
-                         if top(name) == "collector" and name != module and is_our_module(name)}
+                         if unit(name) == "collector" and name != module and is_our_module(name)}
     try:
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as exc:
-        pytest.fail(f"import cycle inside collector/: {' -> '.join(exc.args[1])}")
+        pytest.fail(f"import cycle inside spikehound/collector/: {' -> '.join(exc.args[1])}")
 
 
 def test_the_collector_imports_at_module_level_only():
@@ -236,8 +289,9 @@ def test_no_private_name_is_imported_across_modules():
     assert found == []
 
 
-@pytest.mark.parametrize("module", ["detectors.engine", "collector.alerts.routing", "collector.alerts.matchers",
-                                    "collector.alerts.notification", "spikehound.model_json"])
+@pytest.mark.parametrize("module", ["spikehound.detectors.engine", "spikehound.collector.alerts.routing",
+                                    "spikehound.collector.alerts.matchers", "spikehound.collector.alerts.notification",
+                                    "spikehound.model_json"])
 def test_detectors_and_alert_routing_load_no_web_framework(module):
     """Checked in a fresh interpreter, so that what the imported modules import counts too."""
     loaded = subprocess.run(
@@ -248,13 +302,13 @@ def test_detectors_and_alert_routing_load_no_web_framework(module):
 
 # --- doctests ---------------------------------------------------------------------------------
 
-DOCTESTED = ("spikehound", "detectors", "storage", "collector")
+DOCTESTED = ("spikehound",)
 DOCTEST_MODULES = sorted(module_name(p) for p in source_files(*DOCTESTED) if ">>>" in p.read_text())
 
 
 def test_the_doctested_modules_are_found():
     assert {"spikehound.config", "spikehound.model", "spikehound.timefmt", "spikehound.otlp",
-            "storage.engine"} <= set(DOCTEST_MODULES)
+            "spikehound.storage.engine"} <= set(DOCTEST_MODULES)
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)

@@ -30,15 +30,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from sqlalchemy import create_engine, func, select
 
-from detectors.trace_buffer import TraceBuffer
 from harness.api_client import ApiClient, get_json
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
+from spikehound.detectors.trace_buffer import TraceBuffer
 from spikehound.model import Span, SpanKind, StatusCode
-from storage import schema
-from storage.migrate import upgrade
-from storage.retention import Retention, RetentionPolicy
-from storage.writer import OPERATION_REFRESH_SECONDS, WriteBatch, Writer
+from spikehound.storage import schema
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.retention import Retention, RetentionPolicy
+from spikehound.storage.writer import OPERATION_REFRESH_SECONDS, WriteBatch, Writer
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"

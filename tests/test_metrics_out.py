@@ -1,7 +1,7 @@
 """The agent's samples -> OTLP metrics encoding, checked against what the OpenTelemetry SDK's MeterProvider makes.
 
 The agent encodes its samples directly (the SDK's collect and encode cost ten times more CPU, see
-agent/metrics_out.py); these tests hold it to the SDK's output for the same readings, field by field, using
+spikehound/agent/metrics_out.py); these tests hold it to the SDK's output for the same readings, field by field, using
 real host samples from this machine and the real SDK with its own OTLP encoder.
 """
 
@@ -19,10 +19,10 @@ from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from agent.metrics_out import SCOPE, MetricsBridge
-from agent.sample import Kind, Sample
-from agent.samplers.cpu import CpuSampler
-from agent.samplers.network import NetworkSampler
+from spikehound.agent.metrics_out import SCOPE, MetricsBridge
+from spikehound.agent.sample import Kind, Sample
+from spikehound.agent.samplers.cpu import CpuSampler
+from spikehound.agent.samplers.network import NetworkSampler
 
 IDENTITY = {"service.name": "spikehound-agent", "host.name": "gpu-node-3", "nvidia.gpu.uuids": ["GPU-1", "GPU-2"]}
 # The resource attribute the SDK draws at random per Resource.create: present in both, never equal.

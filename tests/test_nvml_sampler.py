@@ -15,10 +15,10 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.sample import Kind, Sample
-from agent.samplers import nvml as nvml_module
-from agent.samplers.nvml import REASONS, NvmlSampler, decode_reasons, record
-from agent.samplers.nvml_replay import RecordedNvml
+from spikehound.agent.sample import Kind, Sample
+from spikehound.agent.samplers import nvml as nvml_module
+from spikehound.agent.samplers.nvml import REASONS, NvmlSampler, decode_reasons, record
+from spikehound.agent.samplers.nvml_replay import RecordedNvml
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvml"
 MIB = 1024 * 1024

@@ -1,11 +1,11 @@
-"""Critical-path time per stage (detectors.path_time): what each span and each network hop held."""
+"""Critical-path time per stage (spikehound.detectors.path_time): what each span and each network hop held."""
 
 from __future__ import annotations
 
 import random
 
-from detectors.critical_path import critical_path
-from detectors.path_time import Stage, entry_stage_times
+from spikehound.detectors.critical_path import critical_path
+from spikehound.detectors.path_time import Stage, entry_stage_times
 from spikehound.model import Span, SpanKind, StatusCode
 
 MS = 1_000_000

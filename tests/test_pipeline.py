@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from detectors.breakdown import pipeline_breakdown
-from detectors.path_time import Stage
 from harness.api_client import ApiClient
 from harness.daemons import CollectorThread
+from spikehound.detectors.breakdown import pipeline_breakdown
+from spikehound.detectors.path_time import Stage
 from tests.support.cli import spikehound, unix
 from tests.support.serving_stack import Latency, VersionedStack, drive
 

@@ -104,7 +104,7 @@ def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(quick
         raise RuntimeError("a detector bug")
 
     engine.add = failing_add
-    caplog.set_level(logging.ERROR, logger="collector.pipeline")
+    caplog.set_level(logging.ERROR, logger="spikehound.collector.pipeline")
     first, second = os.urandom(16), os.urandom(16)
     for trace_id in (first, second):
         assert post(c, request(span(trace_id)).SerializeToString()).status_code == 200
@@ -132,7 +132,7 @@ def test_a_failing_commit_hook_costs_its_own_figures_only(quick_collector: Colle
         raise ValueError("a metrics bug")
 
     c.collector.pipeline.commit_hooks.add(failing_hook)
-    caplog.set_level(logging.ERROR, logger="collector.pipeline")
+    caplog.set_level(logging.ERROR, logger="spikehound.collector.pipeline")
     trace_id = os.urandom(16)
     assert post(c, request(span(trace_id)).SerializeToString()).status_code == 200
     assert len(get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]) == 1

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 from spikehound.model import ProfileStack
-from storage import schema
-from storage.reader import Reader, count_rows
-from storage.retention import Retention, RetentionPolicy, expire
-from storage.writer import Writer
+from spikehound.storage import schema
+from spikehound.storage.reader import Reader, count_rows
+from spikehound.storage.retention import Retention, RetentionPolicy, expire
+from spikehound.storage.writer import Writer
 
 S = 1_000_000_000
 T0 = 1_750_000_000 * S

@@ -33,18 +33,18 @@ from opentelemetry.proto.collector.profiles.v1development import profiles_servic
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
-from agent.enrich import Enricher
-from agent.forward_queue import ForwardQueue
-from agent.intake import Intake
-from agent.otlp_grpc import start_grpc
-from agent.otlp_http import http_app
-from agent.profiler import MAX_STACKS, OTHER_STACKS, Profiler, bounded, find_py_spy, parse_folded
-from agent.runtime import run as run_loop  # uvloop, as the agent runs
-from agent.services import PID_MAX, RESOLVE_TRIES, ServiceMap, claimed_pid
-from agent.spool import DiskSpool, Item, Signal
 from harness.daemons import AgentProcess
 from harness.ports import free_port
 from harness.waiting import eventually
+from spikehound.agent.enrich import Enricher
+from spikehound.agent.forward_queue import ForwardQueue
+from spikehound.agent.intake import Intake
+from spikehound.agent.otlp_grpc import start_grpc
+from spikehound.agent.otlp_http import http_app
+from spikehound.agent.profiler import MAX_STACKS, OTHER_STACKS, Profiler, bounded, find_py_spy, parse_folded
+from spikehound.agent.runtime import run as run_loop  # uvloop, as the agent runs
+from spikehound.agent.services import PID_MAX, RESOLVE_TRIES, ServiceMap, claimed_pid
+from spikehound.agent.spool import DiskSpool, Item, Signal
 from spikehound.config import HostPort
 from spikehound.model import ProfileStack
 from spikehound.otlp_profiles import decode_profiles
@@ -193,7 +193,7 @@ def test_one_processs_odd_output_does_not_cost_another_process_its_window(tmp_pa
 
 def test_a_process_whose_output_cannot_be_read_or_encoded_loses_its_own_window_only(tmp_path, queue, monkeypatch,
                                                                                     caplog):
-    import agent.profiler as profiler_module
+    import spikehound.agent.profiler as profiler_module
 
     fake = write_fake_py_spy(tmp_path / "py-spy", f"""\
         open(output, 'w').write('main (a.py:1);' + ('bad' if pid == {ODD} else 'good') + ' (a.py:2) 5\\n')

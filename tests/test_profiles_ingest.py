@@ -35,7 +35,7 @@ from spikehound.otlp_profiles import (
     decode_profiles,
     encode_profiles,
 )
-from storage.reader import Reader, count_rows
+from spikehound.storage.reader import Reader, count_rows
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"

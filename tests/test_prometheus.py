@@ -29,14 +29,14 @@ import requests
 from opentelemetry import trace
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector.span_metrics import DURATION_BUCKETS_MS
-from detectors.windows import nearest_rank
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.scrape import scrape_text
 from harness.waiting import eventually
+from spikehound.collector.span_metrics import DURATION_BUCKETS_MS
+from spikehound.detectors.windows import nearest_rank
 from spikehound.model import Cause, CauseKind, Spike
-from storage.engine import make_engine
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.otel_send import MS, sample_provider, timed_span, tracer_provider
 from tests.support.prometheus import REPO, RULES, PrometheusServer, tool
 

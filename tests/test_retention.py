@@ -9,11 +9,11 @@ import random
 import pytest
 from sqlalchemy import Engine, func, select
 
-from storage import retention
-from storage.reader import Reader, count_rows
-from storage.retention import Retention, RetentionPolicy, RetentionResult, StoredSize
-from storage.schema import metric_points, span_blocks
-from storage.writer import WriteBatch, Writer
+from spikehound.storage import retention
+from spikehound.storage.reader import Reader, count_rows
+from spikehound.storage.retention import Retention, RetentionPolicy, RetentionResult, StoredSize
+from spikehound.storage.schema import metric_points, span_blocks
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.storage_data import FOREVER, NOW, SPIKES, T0, S, make_span, point, tid, window
 
 NOW_S = NOW // S

@@ -10,9 +10,9 @@ import asyncio
 import threading
 import time
 
-from agent.sample import Sample
-from agent.samplers.cpu import CpuSampler
-from agent.sampling import SamplingLoop
+from spikehound.agent.sample import Sample
+from spikehound.agent.samplers.cpu import CpuSampler
+from spikehound.agent.sampling import SamplingLoop
 
 
 class Stuck:

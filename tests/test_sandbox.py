@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.spool import DiskSpool
 from harness.daemons import free_port
 from harness.waiting import eventually
-from storage import checkpoints
-from storage.engine import make_engine
-from storage.reader import Reader, count_rows
+from spikehound.agent.spool import DiskSpool
+from spikehound.storage import checkpoints
+from spikehound.storage.engine import make_engine
+from spikehound.storage.reader import Reader, count_rows
 from tests.support.systemd_notify import (
     NotifiedAgent,
     NotifiedCollector,

@@ -29,8 +29,8 @@ from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.otlp import encode_points, encode_spans, spans_of_block
 from spikehound.scenarios.traffic import Scenario
-from storage import schema
-from storage.engine import make_engine
+from spikehound.storage import schema
+from spikehound.storage.engine import make_engine
 from tests.support.alert_receivers import HookReceiver
 from tests.support.spike_fields import spike_fields
 from tests.support.trace_sender import TraceSender, whole_traces

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from detectors.sequential import SequentialEvidence, TailSurprise
+from spikehound.detectors.sequential import SequentialEvidence, TailSurprise
 
 MS = 1_000_000
 

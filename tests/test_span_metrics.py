@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry import trace
 
-from collector.span_metrics import SpanMetrics
 from harness.daemons import CollectorThread, collector_config
 from harness.scrape import Samples, parse, sample, scrape, scrape_text
 from harness.waiting import eventually
+from spikehound.collector.span_metrics import SpanMetrics
 from spikehound.model import Cause, CauseKind, Spike
-from storage.engine import make_engine
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.otel_send import MS, sample_provider, send_durations, timed_span, tracer_provider
 
 CONNECTOR_LES = ["2", "4", "6", "8", "10", "50", "100", "200", "400", "800", "1000", "1400", "2000", "5000",

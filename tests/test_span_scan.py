@@ -9,10 +9,10 @@ from pathlib import Path
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
 from spikehound.span_scan import SpanScan, scan_block
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.reader import Reader
-from storage.writer import SpanBlock, WriteBatch, Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.reader import Reader
+from spikehound.storage.writer import SpanBlock, WriteBatch, Writer
 
 S = 1_000_000_000
 MS = 1_000_000

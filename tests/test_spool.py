@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.forward_queue import ForwardQueue
-from agent.spool import HEADER_BYTES, MAGIC, DiskSpool, Item, Signal
+from spikehound.agent.forward_queue import ForwardQueue
+from spikehound.agent.spool import HEADER_BYTES, MAGIC, DiskSpool, Item, Signal
 from tests.support.spool_items import item, number
 
 RECORD = 100 + HEADER_BYTES  # the spool's size of item(n): header and a 100-byte payload
@@ -265,7 +265,7 @@ def test_a_spool_left_by_the_previous_version_is_forwarded_first(spools, spool_d
 DISK_FULL = r"""
 import json, logging, resource, sys
 from pathlib import Path
-from agent.spool import DiskSpool, SpoolWriteError
+from spikehound.agent.spool import DiskSpool, SpoolWriteError
 from tests.support.spool_items import item, number
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

@@ -3,8 +3,8 @@ clear, and the merged flame tree; on recorded py-spy stacks (``tests/fixtures/pr
 
 from __future__ import annotations
 
-from detectors import stack_diff
-from detectors.stack_diff import diff_stacks, judge, sentence
+from spikehound.detectors import stack_diff
+from spikehound.detectors.stack_diff import diff_stacks, judge, sentence
 from spikehound.model import ProfileStack
 from tests.support.profiles import windows
 

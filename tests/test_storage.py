@@ -20,15 +20,15 @@ from spikehound.model import (
     StatusCode,
 )
 from spikehound.otlp import count_items, decode_spans, encode_span, encode_spans, set_any_value
-from storage import reader as reader_module
-from storage import retention
-from storage.engine import make_engine
-from storage.migrate import current_revision, head_revision, upgrade
-from storage.reader import HostSummary, MetricSeries, Reader, count_rows
-from storage.retention import RetentionResult, expire
-from storage.schema import metadata, span_blocks
-from storage.trace_search import TraceQuery
-from storage.writer import SpanBlock, WriteBatch, Writer
+from spikehound.storage import reader as reader_module
+from spikehound.storage import retention
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import current_revision, head_revision, upgrade
+from spikehound.storage.reader import HostSummary, MetricSeries, Reader, count_rows
+from spikehound.storage.retention import RetentionResult, expire
+from spikehound.storage.schema import metadata, span_blocks
+from spikehound.storage.trace_search import TraceQuery
+from spikehound.storage.writer import SpanBlock, WriteBatch, Writer
 from tests.support.query_plans import FULL_SCAN, plan_of
 from tests.support.storage_data import FOREVER, MS, NOW, SPIKES, T0, S, causes, make_span, point, sid, tid, window
 

@@ -27,7 +27,6 @@ import pytest
 import requests
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
-from collector import pipeline
 from harness.api_client import ApiClient, list_spikes
 from harness.daemons import (
     AgentProcess,
@@ -40,6 +39,7 @@ from harness.daemons import (
 from harness.pgserver import PostgresServer
 from harness.scrape import sample, scrape, total
 from harness.waiting import eventually
+from spikehound.collector import pipeline
 from tests.support.sdk_traffic import SdkApp, trace_request
 from tests.support.served import agent_idle, assert_served_once, grpc_export, http_export, served_span_counts
 

@@ -1,4 +1,4 @@
-"""The collector's view of storage (collector/storage_health.py): one episode per outage, told once each way.
+"""The collector's view of storage (spikehound/collector/storage_health.py): one episode per outage, told once each way.
 
 The errors are the real drivers' own: SQLite refusing a write past ``max_page_count`` ("database or disk is
 full"), psycopg failing to reach a port nothing listens on.
@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
-from collector.storage_health import SETTLE_SECONDS, StorageHealth, classify
-from collector.telemetry import CollectorTelemetry
 from harness.ports import free_port
+from spikehound.collector.storage_health import SETTLE_SECONDS, StorageHealth, classify
+from spikehound.collector.telemetry import CollectorTelemetry
 
 
 class Clock:

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 
-from agent.spool import DiskSpool
-from detectors.engine import DetectionEngine
-from detectors.settings import DetectionSettings
 from harness.api_client import get_json, request
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, free_port
 from harness.scrape import scrape
 from harness.waiting import eventually
-from storage import checkpoints
-from storage.engine import make_engine
-from storage.reader import Reader
+from spikehound.agent.spool import DiskSpool
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.settings import DetectionSettings
+from spikehound.storage import checkpoints
+from spikehound.storage.engine import make_engine
+from spikehound.storage.reader import Reader
 from tests.support.sdk_traffic import SdkApp, send_spans
 from tests.support.systemd_notify import (
     Notified,

@@ -26,10 +26,10 @@ import trustme
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 
-from collector.daemon import Collector
 from harness.api_client import ApiClient
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.waiting import eventually
+from spikehound.collector.daemon import Collector
 from spikehound.config import Config, ConfigError, load
 from tests.support.sdk_traffic import send_spans, trace_request
 

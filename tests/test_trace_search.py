@@ -1,12 +1,12 @@
-"""Trace search and the dependency graph over stored span blocks (storage/trace_search.py, read through
-storage.reader.Reader), on both databases."""
+"""Trace search and the dependency graph over stored span blocks (spikehound/storage/trace_search.py, read through
+spikehound.storage.reader.Reader), on both databases."""
 
 from __future__ import annotations
 
 from spikehound.model import SpanKind
-from storage.reader import Reader
-from storage.trace_search import TraceQuery
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.reader import Reader
+from spikehound.storage.trace_search import TraceQuery
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.storage_data import MS, NOW, T0, make_span, tid
 
 # engine (tests/conftest.py): a migrated database of each kind

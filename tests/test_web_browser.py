@@ -18,9 +18,9 @@ import pytest
 from harness.chromium import CHROMIUM, CHROMIUM_ARGS
 from harness.daemons import CollectorThread, collector_config
 from spikehound.model import ProfileStack
-from storage.engine import make_engine
-from storage.migrate import upgrade
-from storage.writer import Writer
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
+from spikehound.storage.writer import Writer
 from tests.support.profiles import S, seed
 from tests.support.web_scenarios import (
     EVIL_ATTRIBUTE,

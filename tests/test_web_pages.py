@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import requests
 
-from collector.web import session
-from collector.web.routes import STATIC
-from collector.web.waterfall import layout
 from harness.api_client import ApiClient, get_json, request, wait_json
 from harness.daemons import CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from spikehound.collector.web import session
+from spikehound.collector.web.routes import STATIC
+from spikehound.collector.web.waterfall import layout
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.long_trace import long_trace

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from detectors.trace_buffer import TraceBuffer
-from detectors.windows import LatencyWindows, nearest_rank
+from spikehound.detectors.trace_buffer import TraceBuffer
+from spikehound.detectors.windows import LatencyWindows, nearest_rank
 from spikehound.model import LatencyWindow, Span, SpanKind, StatusCode
 
 MS = 1_000_000

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from spikehound.model import Cause, CauseKind, Frame, ProfileStack, Spike
-from storage.writer import WriteBatch, Writer
+from spikehound.storage.writer import WriteBatch, Writer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "profiles"
 S = 1_000_000_000

@@ -3,8 +3,8 @@ process of tests/test_spool.py's DISK_FULL script); and what a forward queue hol
 
 from __future__ import annotations
 
-from agent.forward_queue import ForwardQueue
-from agent.spool import Item, Signal
+from spikehound.agent.forward_queue import ForwardQueue
+from spikehound.agent.spool import Item, Signal
 
 
 def item(n: int, size: int = 100, signal: Signal = Signal.TRACES) -> Item:

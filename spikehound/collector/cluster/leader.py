@@ -1,0 +1,474 @@
+"""The cluster's detection leader: one collector at a time runs the detectors over every member's data.
+
+Every member stores what its agents route to it and adds a row to its feed per commit
+(``storage/cluster.py``). The member that holds the leader's lock reads every member's feed after its cursors,
+merges the members' rows in event time, and feeds them to the same :class:`DetectionEngine` a single collector
+runs, so a cluster finds the spikes, streams and causes one collector fed the same data would. Its windows,
+spikes and checkpoints are written in transactions that first check that it still leads; its checkpoint holds
+the cursors, so a new leader continues where the last one checkpointed and reads again what came after: spike
+ids are deterministic and every write an upsert, so nothing is lost or written twice. Alerting routes and
+delivers on the leader only (the outbox is shared; notifications keep their idempotency keys).
+
+Why not merge per-member summaries (sketches) instead: the detectors judge windows *and* request-by-request
+evidence (the sequential test), and attribute each slow request from its whole trace against the stream's
+normal profile; a summary of a window cannot carry either, and a cluster would then find other spikes than
+one collector. What the leader pays instead is decoding and judging every span: see docs/scale-out.md for the
+measured cost and where it becomes the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Connection, Engine, func, select, text
+
+from spikehound.collector.alerts.alerting import Alerting
+from spikehound.collector.catch_up import CatchUp, close_held, hold_where_the_data_is
+from spikehound.collector.detection import detection_settings
+from spikehound.collector.detector_metrics import DetectorMetrics
+from spikehound.collector.spike_announcer import SpikeAnnouncer
+from spikehound.collector.telemetry import CollectorTelemetry
+from spikehound.config import Config
+from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
+from spikehound.model import MetricPoint, Span
+from spikehound.otlp import spans_of_block
+from spikehound.storage import checkpoints, cluster, schema
+from spikehound.storage.reader import Reader
+from spikehound.storage.writer import Writer
+
+log = logging.getLogger("spikehound.collector.cluster")
+
+CHECKPOINT_NAME = "detection"  # the same row a single collector keeps: a cluster continues from it
+NS = 1_000_000_000
+FEED_ROWS = 32  # feed rows read per member and poll
+POLL_SECONDS = 0.25
+REFILL_BLOCKS = 256
+PRUNE_MEMBERS_SECONDS = 86_400.0  # a member silent this long, with nothing left in the feed, is forgotten
+NO_LEADER_CHECK_SECONDS = 5.0  # a member that may not lead looks this often whether another does
+T = TypeVar("T")
+
+
+class LostLead(Exception):
+    """Another collector holds the leader's lock now."""
+
+
+@dataclass(slots=True)
+class _Row:
+    """A member's feed row, read and decoded (it may wait for a member that has more to read)."""
+
+    member: str
+    seq: int
+    written_ns: int  # database clock
+    spans: list[Span]
+    points: list[MetricPoint]
+
+
+class DetectionLeader:
+    """A component: campaigns for the leader's lock from ``start`` to ``stop``; leads while it holds it.
+
+    ``leading`` says whether it leads now (retention runs on the leader only). Its database work and the
+    detection engine run on one thread of its own, never on the event loop or the member's writer thread.
+    """
+
+    name = "detection leader"
+
+    def __init__(self, cfg: Config, engine: Engine, member: str, telemetry: CollectorTelemetry,
+                 alerting: Alerting | None, links: Callable[[], str], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.member = member
+        self.alerting = alerting
+        self.links = links
+        self.clock = clock
+        self.settings = detection_settings(cfg)
+        self.detection = DetectionEngine(self.settings)
+        self.announcer = SpikeAnnouncer(telemetry)
+        self.detector_metrics = DetectorMetrics(self.detector_stats)
+        self.metrics = ClusterMetrics(self)
+        self.writer = Writer(engine)
+        self.reader = Reader(engine)
+        self.leading = False
+        self.takeovers = 0
+        self.members_live = 0
+        self.feed_rows = 0
+        self.feed_spans = 0
+        self._cursors: dict[str, int] = {}  # per member: its last feed row fed to the detectors
+        self._fetched: dict[str, int] = {}  # per member: its last feed row read
+        self._waiting: dict[str, deque[_Row]] = {}
+        self._open_windows = 0
+        # Members the windows wait for: heartbeats stopped, not yet gone (name -> since when, by clock()) ...
+        self._missing: dict[str, float] = {}
+        self._started: dict[str, int] = {}  # ... and each member's start, to see it restart
+        self._gone: set[str] = set()  # missing past cluster.member_timeout_seconds (said once)
+        self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)  # a returned member's backlog
+        self._last_input = clock()
+        self._campaign_error: str | None = None  # the kind of the last failure, logged once while it repeats
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spikehound-leader")
+
+    def detector_stats(self) -> dict[str, int]:
+        held = self.detection.windows.hold is not None
+        return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held)}
+
+    async def start(self) -> None:
+        if not self.cfg.cluster.lead:
+            log.info("%s stores its share and never leads detection (cluster.lead = false)", self.member)
+            self._task = asyncio.create_task(self._watch_for_a_leader(), name="detection-leader-watch")
+            return
+        self._task = asyncio.create_task(self._campaign(), name="detection-leader")
+
+    async def _watch_for_a_leader(self) -> None:
+        """On a member that may not lead: say when no member leads (nothing is judged, alerted or deleted)."""
+        missing_since: float | None = None
+        said = False
+        while not self._stop.is_set():
+            try:
+                present = await asyncio.to_thread(self._leader_present)
+            except Exception:  # the database away: the pipeline says so
+                present = True
+            if present:
+                missing_since, said = None, False
+            else:
+                missing_since = missing_since if missing_since is not None else self.clock()
+                if not said and self.clock() - missing_since > self.cfg.cluster.member_timeout_seconds:
+                    said = True
+                    log.warning("no collector leads the cluster: nothing is judged, no alert is sent, retention "
+                                "does not run (every member up has cluster.lead = false?)")
+            await self._pause(NO_LEADER_CHECK_SECONDS)
+
+    def _leader_present(self) -> bool:
+        with self.engine.connect() as conn:
+            return cluster.leader_present(conn)
+
+    async def stop(self) -> None:
+        """Stop campaigning; a leader writes what it closed, saves its checkpoint and lets go of the lock."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    # -- the campaign ------------------------------------------------------------------------------
+
+    async def _campaign(self) -> None:
+        conn: Connection | None = None  # a follower keeps its session between tries
+        while not self._stop.is_set():
+            try:
+                if conn is None:
+                    conn = await self._run(self._connect)
+                if await self._run(cluster.try_lead, conn):
+                    try:
+                        previous = await self._run(cluster.claim_lead, conn, self.member)
+                        await self._lead(conn, previous)
+                    finally:
+                        # Closed, not returned to the pool: the session, and the lock, end with it.
+                        await self._run(_discard, conn)
+                        conn = None
+                else:
+                    await self._depose_silent_leader(conn)
+                self._campaign_error = None
+            except LostLead as exc:
+                log.warning("no longer the detection leader: %s", exc)
+            except Exception as exc:  # its session ended, or the database is away: campaign again; never die
+                # Not a storage outage of this member's: its own writes tell the pipeline that, if it is one.
+                if self.leading:
+                    log.warning("no longer the detection leader: %s: %s", exc.__class__.__name__, exc)
+                elif self._campaign_error != exc.__class__.__name__:
+                    log.warning("cannot campaign for the detection leader's lock (tried again every %g s): %s: %s",
+                                self.cfg.cluster.heartbeat_seconds, exc.__class__.__name__, exc)
+                self._campaign_error = exc.__class__.__name__
+                if conn is not None:
+                    await self._run(_discard, conn)
+                    conn = None
+            finally:
+                if self.leading:
+                    await self._step_down()
+            await self._pause(self.cfg.cluster.heartbeat_seconds)
+        if conn is not None:
+            await self._run(_discard, conn)
+
+    async def _depose_silent_leader(self, conn: Connection) -> None:
+        timeout = self.cfg.cluster.member_timeout_seconds
+        deposed = await self._run(cluster.depose_silent_leader, conn, timeout)
+        if deposed is not None:
+            log.warning("the detection leader %s has sent no heartbeat for %g s (a hung or stopped process keeps "
+                        "its database session): its session was ended, so that another collector leads",
+                        deposed, timeout)
+
+    def _connect(self) -> Connection:
+        conn = self.engine.connect()
+        # The server drops a leader it cannot reach within about 11 s (its lock with it), so that a partitioned
+        # leader does not hold the cluster's detection for the kernel's two hours of TCP keepalive.
+        conn.execute(text("SET tcp_keepalives_idle = 5; SET tcp_keepalives_interval = 2; "
+                          "SET tcp_keepalives_count = 3"))
+        conn.commit()
+        return conn
+
+    async def _lead(self, conn: Connection, previous: str | None) -> None:
+        self.leading = True
+        self.takeovers += 1
+        started = time.perf_counter()
+        found = await self._run(self._take_over, conn, previous)
+        log.warning("%s leads detection now: continued from %s, %d streams, %d open spikes, in %.2f s",
+                    self.member, found, self.detection.stats()["judged_streams"],
+                    len(self.detection.open_spikes()), time.perf_counter() - started)
+        if self.alerting is not None and self.alerting.enabled:
+            await self.alerting.lead(self.reader, self.links())
+        self._last_input = self.clock()
+        next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
+        while not self._stop.is_set():
+            fed, done = await self._run(self._step, conn)
+            self.announcer.written(done)
+            if self.clock() >= next_checkpoint:
+                next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
+                await self._run(self._checkpoint, conn)
+            if not fed:
+                await self._pause(POLL_SECONDS)
+        # Stopping: what is in the feed now is for the next leader; what was judged is saved, and so is what
+        # routing decided last, while this collector still leads.
+        await self._run(self._checkpoint, conn)
+        if self.alerting is not None and self.alerting.enabled:
+            await self.alerting.stop()
+        await self._run(cluster.release_lead, conn)
+
+    async def _step_down(self) -> None:
+        self.leading = False
+        if self.alerting is not None and self.alerting.enabled:
+            await self.alerting.follow()
+        self.detection = DetectionEngine(self.settings)  # the next lead restores from storage
+        self._waiting.clear()
+
+    # -- on the leader's thread ------------------------------------------------------------------
+
+    def _take_over(self, conn: Connection, previous: str | None) -> str:
+        """Continue from the checkpoint and its cursors; refill the recent traces of the open windows.
+
+        The previous leader (another member) is held missing until its heartbeats say otherwise: if it died,
+        its agents hold its share, and the windows must not close over it while the feed is replayed.
+        """
+        with conn.begin():
+            found = checkpoints.load(conn, CHECKPOINT_NAME)
+            cursors = cluster.load_cursors(conn)
+        engine = DetectionEngine(self.settings)
+        what = "no checkpoint yet (the detectors read every member's feed from its start)"
+        if found is not None and found.format == CHECKPOINT_FORMAT:
+            try:
+                engine = DetectionEngine.restore(self.settings, found.state)
+                what = "the checkpoint of " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at))
+            except Exception as exc:
+                what = f"nothing (the checkpoint cannot be continued: {exc.__class__.__name__}: {exc})"
+            latest = time.time_ns() + int(self.cfg.collector.max_clock_skew_seconds * NS)
+            engine.limit_event_time(latest)
+        elif found is not None:
+            what = f"nothing (the checkpoint has format {found.format}, this version writes {CHECKPOINT_FORMAT})"
+        self.detection = engine
+        self._cursors, self._fetched, self._waiting = dict(cursors), dict(cursors), {}
+        self._missing, self._started, self._gone = {}, {}, set()
+        self.catch_up = CatchUp(self.cfg.collector.catch_up_seconds, clock=self.clock)
+        if previous is not None and previous != self.member:
+            log.info("the windows wait for the previous leader %s's heartbeats: if it died, its agents hold its "
+                     "share of the traffic", previous)
+            self._missing[previous] = self.clock()
+            hold_where_the_data_is(engine)
+        self._refill(conn, found, cursors)
+        stored = self.reader.spikes(None, None, None, "open", 10_000)
+        # Open before the takeover: the replay of the feed finds them again (same ids), not as new spikes.
+        self.announcer.open_ids = {s.id for s in engine.open_spikes()} | {s.id for s in stored}
+        self._open_windows = engine.windows.open_windows
+        return what
+
+    def _refill(self, conn: Connection, found: checkpoints.Checkpoint | None, cursors: dict[str, int]) -> None:
+        """The recent traces of the windows open at the checkpoint (not part of it), into the trace buffer only:
+        the blocks up to the checkpoint's position, but for those the feed still holds after the cursors
+        (the detectors are fed those, windows too)."""
+        earliest = self.detection.windows.earliest_open_ns
+        if found is None or found.span_block_id is None or earliest is None:
+            return
+        with conn.begin():
+            pending = cluster.pending_block_ids(conn, cursors)
+        after: int | None = None
+        while True:
+            last, spans = self.reader.spans_ending_since(earliest - self.settings.window_ns, found.span_block_id,
+                                                         after, REFILL_BLOCKS, exclude=pending)
+            self.detection.traces.add(spans)
+            if last >= found.span_block_id or last == after:
+                break
+            after = last
+
+    def _step(self, conn: Connection) -> tuple[int, Detection]:
+        """Feed what the members committed since the last step, close what the watermark allows, and write it;
+        (feed rows fed, what was written).
+
+        Each feed row is one commit of a member; they are fed one at a time in the order the database
+        received them, each followed by the engine's advance, as one collector feeds its own commits: a
+        cluster then counts the same spans late and closes the same windows one collector would.
+        """
+        rows = self._read(conn)
+        engine = self.detection
+        done = Detection()
+
+        def keep(step: Detection) -> None:
+            done.windows.extend(step.windows)
+            done.spikes.extend(step.spikes)  # every state in order: opened and resolved in one step are both told
+            done.flags.extend(step.flags)
+
+        for row in rows:
+            engine.add(row.spans, row.points)
+            if self.catch_up.active:
+                self.catch_up.arrived([sp.end_unix_nano for sp in row.spans], engine.windows.hold)
+            keep(engine.advance())
+        if rows:
+            self._last_input = self.clock()
+        if engine.windows.hold is not None and not self._missing and (
+                not self.catch_up.active or self.catch_up.done()):
+            steps = close_held(engine, self.settings.window_ns, lambda: keep(engine.advance()))
+            log.info("the windows wait for no member any more: those held were closed in %d step(s)", steps)
+        elif not rows and not any(self._waiting.values()):
+            c = self.cfg.collector
+            idle = self.clock() - self._last_input
+            if idle >= c.idle_flush_seconds:
+                advance = int((c.allowed_lateness_seconds + idle) * NS)
+                watermark = engine.windows.watermark
+                if watermark is not None:  # never past the clock plus the skew the receivers allow
+                    latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
+                    advance = max(min(advance, latest - watermark), 0)
+                keep(engine.advance(advance))
+        self._open_windows = engine.windows.open_windows
+        if done.windows or done.spikes:
+            with conn.begin():
+                self._fence(conn)
+                self.writer.write_detection(conn, done.windows, done.spikes)
+        return len(rows), done
+
+    def _watch(self, members: list[cluster.Member]) -> None:
+        """Hold the windows while a member is missing: its heartbeats stopped (it died, hangs, or lost the
+        database) and it is not yet gone. Its agents hold its share meanwhile; windows closed over it would
+        count that share late. Gone after ``cluster.member_timeout_seconds``: the windows close without it
+        (judged on the others' share). Back after a restart, or after longer than the lateness allowed, its
+        agents' backlog arrives: the windows wait for it as one collector waits for its senders' backlogs
+        after a restart (CatchUp)."""
+        k, now = self.cfg.cluster, self.clock()
+        late = 2 * k.heartbeat_seconds
+        for m in members:
+            started = self._started.get(m.member)
+            restarted = started is not None and m.started_at != started
+            self._started[m.member] = m.started_at
+            since = self._missing.get(m.member)
+            if m.age_s > k.member_timeout_seconds:
+                if m.member not in self._gone and (since is not None or started is not None):
+                    log.warning("member %s is gone (no heartbeat for %.0f s): the windows close without its share "
+                                "until it is back", m.member, m.age_s)
+                self._missing.pop(m.member, None)
+                self._gone.add(m.member)
+            elif m.age_s > late:
+                if since is None:
+                    log.warning("member %s has sent no heartbeat for %.1f s: the windows wait for it (at most "
+                                "cluster.member_timeout_seconds, %g s)", m.member, m.age_s, k.member_timeout_seconds)
+                    self._missing[m.member] = now
+            elif since is not None and now - since < late + POLL_SECONDS and not restarted:
+                pass  # a previous leader, held missing at the takeover, until its heartbeats say
+            else:
+                away = now - since if since is not None else 0.0
+                self._missing.pop(m.member, None)
+                if restarted or m.member in self._gone or away > self.cfg.collector.allowed_lateness_seconds:
+                    log.info("member %s is back: the windows wait for its agents' backlogs", m.member)
+                    self.catch_up.begin()
+                self._gone.discard(m.member)
+        if self._missing or self.catch_up.active:
+            hold_where_the_data_is(self.detection)
+
+    def _read(self, conn: Connection) -> list[_Row]:
+        """The members' new feed rows, decoded, in the order the database received them; cursors move past them.
+
+        A member whose read filled ``FEED_ROWS`` has more to come: the others' rows received after its last one
+        wait for the next read (a backlog after a takeover is then fed interleaved, not a member at a time).
+        """
+        timeout = self.cfg.cluster.member_timeout_seconds
+        with conn.begin():
+            members = cluster.members(conn)
+            rows = cluster.read_feed(conn, self._fetched, cluster.feed_members(conn), FEED_ROWS)
+            payloads = cluster.block_payloads(conn, [i for r in rows for i in r.block_ids])
+        self.members_live = sum(1 for m in members if m.age_s < timeout)
+        self._watch(members)
+        read = Counter(r.member for r in rows)
+        for r in rows:
+            spans = [s for i in r.block_ids if (p := payloads.get(i)) is not None for s in spans_of_block(p)]
+            points = cluster.unpack_points(r.points) if r.points else []
+            self._waiting.setdefault(r.member, deque()).append(_Row(r.member, r.seq, r.written_ns, spans, points))
+            self._fetched[r.member] = r.seq
+        more = [q[-1].written_ns for m, q in self._waiting.items() if q and read[m] >= FEED_ROWS]
+        bound = min(more) if more else None
+        ready: list[_Row] = []
+        for queue in self._waiting.values():
+            while queue and (bound is None or queue[0].written_ns <= bound):
+                ready.append(queue.popleft())
+        ready.sort(key=lambda row: (row.written_ns, row.member, row.seq))
+        for row in ready:
+            self._cursors[row.member] = max(row.seq, self._cursors.get(row.member, 0))
+        self.feed_rows += len(ready)
+        self.feed_spans += sum(len(row.spans) for row in ready)
+        return ready
+
+    def _checkpoint(self, conn: Connection) -> None:
+        """The detectors' state and the cursors, in one transaction; then the feed rows they consumed go."""
+        state = self.detection.snapshot()
+        with conn.begin():
+            self._fence(conn)
+            block = conn.execute(select(func.max(schema.span_blocks.c.id))).scalar()
+            checkpoints.save_on(conn, CHECKPOINT_NAME, CHECKPOINT_FORMAT, state, int(block or 0), None)
+            cluster.save_cursors(conn, self._cursors)
+        with conn.begin():
+            cluster.trim_feed(conn, self._cursors)
+            cluster.prune_members(conn, PRUNE_MEMBERS_SECONDS)
+
+    def _fence(self, conn: Connection) -> None:
+        if not cluster.still_leading(conn):
+            raise LostLead("another collector holds the leader's lock")
+
+
+def _discard(conn: Connection) -> None:
+    with contextlib.suppress(Exception):
+        conn.invalidate()
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+class ClusterMetrics(Collector):
+    """``spikehound_cluster_*``: whether this collector leads, the live members, what its leadership fed."""
+
+    def __init__(self, leader: DetectionLeader) -> None:
+        self.leader = leader
+
+    def collect(self) -> Iterator[Metric]:
+        leader = self.leader
+        yield GaugeMetricFamily("spikehound_cluster_leader", "1 while this collector is the detection leader.",
+                                value=int(leader.leading))
+        yield GaugeMetricFamily("spikehound_cluster_members",
+                                "Members whose heartbeat is recent, as the leader last read them (0 on others).",
+                                value=leader.members_live if leader.leading else 0)
+        yield CounterMetricFamily("spikehound_cluster_leader_takeovers",
+                                  "Times this collector became the detection leader.", value=leader.takeovers)
+        yield CounterMetricFamily("spikehound_cluster_feed_rows",
+                                  "Members' feed rows this collector fed to the detectors while leading.",
+                                  value=leader.feed_rows)
+        yield CounterMetricFamily("spikehound_cluster_feed_spans",
+                                  "Spans this collector fed to the detectors from the members' feeds while leading.",
+                                  value=leader.feed_spans)

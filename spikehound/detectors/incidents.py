@@ -1,0 +1,333 @@
+"""Incidents: streams that turn anomalous together for a shared cause are one spike, one page.
+
+Judging hop streams and routes as well as entry operations means many more
+streams, and one fault moves several of them: a delay in front of a service
+slows every edge into it and every route that reaches it. Each of those is
+evidence of the same fault. The engine hands this module **groups**, one per
+*locus* (the service where the time was added):
+
+- every slow request of a hot stream (see :mod:`spikehound.detectors.stream_judge`) is
+  attributed once, from the widest view that saw it (a trace root's stream
+  before a hop's), and its locus is the service of its top cause: the callee
+  of a slowed hop, the service of a slowed span. A trace slowed by a lone stall
+  in one service and a trace slowed by a fault in another are thereby evidence
+  for different things, even on the same route;
+- a busy stream whose window test fired joins the locus most of its slow
+  requests point to.
+
+A group becomes an **incident** when its evidence is enough: one of its
+streams' window test fires (``min_score``, corrected as below), or the
+sequential evidence of its slow requests, each trace counted once however many
+of the group's streams it slowed, less what the normal requests of those
+streams took away, reaches ``min_evidence`` over at least
+``min_slow_requests`` distinct traces. A spike carried by five weak streams is
+still one strong spike.
+
+- Both thresholds grow with ``log10`` of the number of streams being judged (a
+  Bonferroni correction: at the same per-stream odds, ten times the streams
+  would give ten times the false spikes).
+- The slow requests must not all have ended within ``min_slow_spread_ns`` of
+  each other (``min_spread_ns`` for a window test's): a pause of a second or
+  two catches every request in flight at once, which is one stall, not a
+  sustained rise.
+- A group whose locus has an open incident extends it: its streams join as
+  *affected streams* with their own numbers instead of paging again. The most
+  user-facing stream of the group that opened it leads (trace roots, then other
+  entry streams, then hops); the leader and the id are fixed when it opens.
+- It resolves when every affected stream is calm again (see
+  :meth:`StreamJudge.is_calm`); its streams then start from zero evidence.
+
+>>> from spikehound.detectors.settings import DetectionSettings
+>>> book = IncidentBook(DetectionSettings())
+>>> book.open_count, spike_id(StreamKey("gateway", "POST /predict"), 1_700_000_000_000_000_000)
+(0, 'e9b6cebdb3f417e2')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from spikehound.detectors.sequential import SequentialEvidence
+from spikehound.detectors.settings import DetectionSettings
+from spikehound.detectors.stream_judge import Judgement
+from spikehound.detectors.streams import StreamKey
+from spikehound.detectors.windows import Sample
+
+__all__ = ["Group", "Incident", "IncidentBook", "IncidentEvent", "Member", "spike_id", "stream_rank"]
+
+_REFERENCE_STREAMS = 10  # the thresholds hold as set up to this many streams; beyond, they grow with log10
+MAX_SLOW_IDS = 1024  # slow request ids an affected stream keeps to count each once; beyond, they are counted
+_RUN_GAP = 4  # a gap this many times the typical one (plus a window) ends a run of slow requests
+
+
+def spike_id(stream: StreamKey, start_ns: int, locus: str | None = None) -> str:
+    """A spike's id: stable for the same leading stream, start and locus, so a replay names it as live
+    ingest did (two faults that start together on one route are two spikes).
+
+    >>> hop = StreamKey("ts-order", "GET /orders", "ts-preserve")
+    >>> spike_id(hop, 1_700_000_000_000_000_000, "ts-order"), spike_id(hop, 1_700_000_000_000_000_000, "ts-db")
+    ('828e08552951b5c3', '1e69d2f9fbc1b96e')
+    """
+    key = f"{stream.service}\0{stream.operation}\0{start_ns}"
+    if stream.peer_service is not None:
+        key += f"\0{stream.peer_service}"
+    if locus is not None and locus != stream.service:
+        key += f"\0@{locus}"
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def stream_rank(stream: StreamKey, root: bool, evidence: float = 0.0) -> tuple[int, float, tuple[str, str, str]]:
+    """Lower is more user-facing: trace roots, then other entry streams, then hops; more evidence first."""
+    return (0 if root else 2 if stream.is_hop else 1, -evidence, stream.order)
+
+
+@dataclass(slots=True)
+class SlowTrace:
+    """One slow request of a group: its trace, what it added to the evidence, when it ended."""
+
+    gain: float
+    end_ns: int
+
+
+@dataclass(slots=True)
+class Group:
+    """Everything in one window that points at one locus."""
+
+    locus: str
+    members: dict[StreamKey, Judgement] = field(default_factory=dict)  # the streams with slow requests here
+    traces: dict[bytes, SlowTrace] = field(default_factory=dict)  # each slow trace once, with its largest gain
+    by_stream: dict[StreamKey, set[bytes]] = field(default_factory=dict)  # which stream saw which of them
+    dense: list[Judgement] = field(default_factory=list)  # members whose window test fired
+    loci: set[str] = field(default_factory=set)  # the services its slow requests were linked to
+    slow_ids: set[bytes] = field(default_factory=set)  # every slow trace of the window's group, both tests'
+
+    def add(self, j: Judgement, trace_id: bytes, gain: float, end_ns: int) -> None:
+        """One slow request of stream ``j.stream`` pointing here."""
+        self.members[j.stream] = j
+        self.by_stream.setdefault(j.stream, set()).add(trace_id)
+        seen = self.traces.get(trace_id)
+        if seen is None:
+            self.traces[trace_id] = SlowTrace(gain, end_ns)
+        else:
+            # The largest gain any stream saw in it; the earliest end: the innermost slowed call, nearest the
+            # cause (a pause releases every call it held at once, whatever the callers did afterwards).
+            seen.gain, seen.end_ns = max(seen.gain, gain), min(seen.end_ns, end_ns)
+
+    def add_dense(self, j: Judgement) -> None:
+        """A stream whose window test fired with most of its slow requests pointing here."""
+        self.members[j.stream] = j
+        self.dense.append(j)
+
+
+@dataclass(slots=True)
+class Member:
+    """One stream affected by an incident, with its own numbers."""
+
+    stream: StreamKey
+    root: bool
+    start_ns: int  # where its rise began
+    last_anomalous_end_ns: int
+    peak_p99_ns: int
+    baseline_ns: int
+    evidence: float  # the most evidence it showed (-log10 units)
+    slow_traces: set[bytes] = field(default_factory=set)  # its slow requests the sequential test counted
+    over_baseline: int = 0  # requests over its baseline in the windows its window test fired on
+    counted_slow: int = 0  # slow requests counted beyond the set (a long incident keeps MAX_SLOW_IDS ids)
+
+    @property
+    def slow_requests(self) -> int:
+        return len(self.slow_traces) + self.counted_slow + self.over_baseline
+
+    def add_slow(self, trace_ids: Iterable[bytes]) -> None:
+        for trace_id in trace_ids:
+            if trace_id in self.slow_traces:
+                continue
+            if len(self.slow_traces) < MAX_SLOW_IDS:
+                self.slow_traces.add(trace_id)
+            else:
+                self.counted_slow += 1  # a trace past the cap may be counted twice across windows: rare
+
+    @property
+    def rank(self) -> tuple[int, float, tuple[str, str, str]]:
+        return stream_rank(self.stream, self.root, self.evidence)
+
+
+@dataclass(slots=True)
+class Incident:
+    """A spike while it is being detected: its streams, its evidence and its window of time."""
+
+    id: str
+    locus: str
+    lead: StreamKey
+    start_ns: int
+    detected_ns: int
+    last_anomalous_end_ns: int
+    evidence: float  # what opened it (-log10 units)
+    members: dict[StreamKey, Member] = field(default_factory=dict)
+    loci: set[str] = field(default_factory=set)  # every service its slow requests were linked to
+    end_ns: int | None = None
+    slowest: Sample | None = None  # the slowest request of the leading stream seen while it was open
+
+    @property
+    def state(self) -> str:
+        return "open" if self.end_ns is None else "resolved"
+
+    @property
+    def leader(self) -> Member:
+        return self.members[self.lead]
+
+
+@dataclass(slots=True)
+class IncidentEvent:
+    kind: str  # "opened" | "updated" | "resolved"
+    incident: Incident
+    judgements: list[Judgement] = field(default_factory=list)  # its streams' hot judgements of this window
+    traces: set[bytes] = field(default_factory=set)  # the slow traces of this window that point at it
+
+
+class IncidentBook:
+    """Open incidents by locus, and the rules that open, extend and resolve them; pure, no clock."""
+
+    def __init__(self, settings: DetectionSettings) -> None:
+        self.settings = settings
+        self._open: dict[str, Incident] = {}  # by locus
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    @property
+    def open_incidents(self) -> list[Incident]:
+        return list(self._open.values())
+
+    def incident_of(self, stream: StreamKey) -> Incident | None:
+        """An open incident ``stream`` is affected by (the first opened, when two faults move it)."""
+        return next((i for i in self._open.values() if stream in i.members), None)
+
+    def correction(self, streams: int) -> float:
+        """What both thresholds add for judging ``streams`` streams at once (-log10 units)."""
+        return math.log10(max(streams, _REFERENCE_STREAMS) / _REFERENCE_STREAMS)
+
+    def step(self, groups: Iterable[Group], evidence_of: Callable[[StreamKey], SequentialEvidence | None],
+             streams: int, now_ns: int) -> list[IncidentEvent]:
+        """Judge one window's groups; return the incidents that opened or grew."""
+        events: list[IncidentEvent] = []
+        correction = self.correction(streams)
+        for group in sorted(groups, key=lambda g: g.locus):
+            incident = self._open.get(group.locus)
+            if incident is not None:
+                incident.loci |= group.loci
+                for j in group.members.values():
+                    self._extend(incident, j, group)
+                events.append(IncidentEvent("updated", incident, list(group.members.values()), _slow_of(group)))
+                continue
+            opened = self._try_open(group, evidence_of, correction, now_ns)
+            if opened is not None:
+                events.append(IncidentEvent("opened", opened, list(group.members.values()), _slow_of(group)))
+        return events
+
+    def resolve(self, is_calm: Callable[[StreamKey], bool]) -> list[IncidentEvent]:
+        """Resolve the incidents whose every stream is calm again."""
+        out = []
+        for locus, incident in list(self._open.items()):
+            if all(is_calm(stream) for stream in incident.members):
+                incident.end_ns = incident.last_anomalous_end_ns
+                del self._open[locus]
+                out.append(IncidentEvent("resolved", incident))
+        return out
+
+    # -- internals ---------------------------------------------------------
+
+    def _try_open(self, group: Group, evidence_of: Callable[[StreamKey], SequentialEvidence | None],
+                  correction: float, now_ns: int) -> Incident | None:
+        s = self.settings
+        # A fifth of a window at most: with windows of 2 s or less, 2 s could never be reached in one window.
+        min_spread = min(s.min_spread_ns, s.window_ns // 5)
+        dense = [j for j in group.dense if j.score >= s.min_score + correction and j.spread_ns >= min_spread]
+        if dense:
+            strength = max(j.score for j in dense)
+            start = min(j.onset_ns for j in dense)
+        else:
+            traces = group.traces
+            if len(traces) < s.min_slow_requests:
+                return None
+            ends = sorted(t.end_ns for t in traces.values())
+            if ends[-1] - ends[0] < s.min_slow_spread_ns:
+                return None
+            penalty = 0.0
+            for stream in group.by_stream:  # the streams whose slow requests are counted
+                evidence = evidence_of(stream)
+                penalty += evidence.penalty if evidence is not None else 0.0
+            strength = sum(t.gain for t in traces.values()) + penalty
+            if strength < s.min_evidence + correction:
+                return None
+            any_j = next(iter(group.members.values()))
+            start = incident_onset(ends, any_j.window_end_ns - any_j.window_start_ns)
+        members = {stream: _member(j, group, start) for stream, j in group.members.items()}
+        lead = min(members.values(), key=lambda m: m.rank).stream
+        incident = Incident(id=spike_id(lead, start, group.locus), locus=group.locus, lead=lead, start_ns=start,
+                            detected_ns=now_ns, evidence=round(strength, 2),
+                            last_anomalous_end_ns=max(m.last_anomalous_end_ns for m in members.values()),
+                            members=members, loci={group.locus, *group.loci})
+        incident.slowest = _slowest(None, group.members[lead])
+        self._open[group.locus] = incident
+        return incident
+
+    def _extend(self, incident: Incident, j: Judgement, group: Group) -> None:
+        member = incident.members.get(j.stream)
+        if member is None:  # joins as an affected stream; the leader (and the alerts keyed on it) stays
+            member = incident.members[j.stream] = _member(j, group, incident.start_ns)
+        member.add_slow(group.by_stream.get(j.stream, ()))
+        if j.dense:
+            member.over_baseline += j.exceed
+        member.last_anomalous_end_ns = max(member.last_anomalous_end_ns, j.window_end_ns)
+        member.peak_p99_ns = max(member.peak_p99_ns, _p99(j))
+        member.evidence = max(member.evidence, j.evidence, j.score)
+        incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, j.window_end_ns)
+        if j.stream == incident.lead:
+            incident.slowest = _slowest(incident.slowest, j)
+
+
+def _slow_of(group: Group) -> set[bytes]:
+    return group.slow_ids or set(group.traces)
+
+
+def _member(j: Judgement, group: Group, incident_start_ns: int) -> Member:
+    return Member(stream=j.stream, root=j.root, start_ns=max(j.onset_ns, incident_start_ns),
+                  last_anomalous_end_ns=j.window_end_ns, peak_p99_ns=_p99(j), baseline_ns=j.baseline_ns,
+                  evidence=max(j.evidence, j.score), slow_traces=set(group.by_stream.get(j.stream, ())),
+                  over_baseline=j.exceed if j.dense else 0)
+
+
+def incident_onset(ends: list[int], window_ns: int) -> int:
+    """The start of the window in which the slow requests (ending at ascending ``ends``) began to come.
+
+    Their latest run: going back from the newest, each earlier one is taken while the gap to it is at most
+    ``_RUN_GAP`` times the run's typical (median) gap plus a window. A fault's slow requests come at the
+    pace of its traffic; a stray stall half a minute before a run that comes every few seconds is not its
+    start, and one two minutes before a run that comes every twenty seconds is not either.
+    """
+    first = len(ends) - 1
+    while first > 0:
+        gaps = sorted(b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)) or [window_ns]
+        typical = gaps[len(gaps) // 2]
+        if ends[first] - ends[first - 1] > _RUN_GAP * typical + window_ns:
+            break
+        first -= 1
+    return ends[first] // window_ns * window_ns
+
+
+def _p99(j: Judgement) -> int:
+    """The stream's p99 as this judgement saw it (its slowest request when it judged only a few)."""
+    if j.count:
+        return j.p99_ns
+    return j.samples[-1][0] if j.samples else j.p99_ns
+
+
+def _slowest(current: Sample | None, j: Judgement) -> Sample | None:
+    if j.samples and (current is None or j.samples[-1][0] > current[0]):
+        return j.samples[-1]
+    return current

@@ -1,0 +1,355 @@
+"""Per-stream judgement: every closed window of every stream, by two tests, and what each stream learns.
+
+Each stream (entry or hop, see :mod:`spikehound.detectors.streams`) is judged two ways:
+
+- the **window test** (:class:`~spikehound.detectors.p99_spike.P99SpikeDetector`) on a
+  busy stream: is this window's p99 materially over the learned baseline
+  (``min_rise`` and ``min_abs_rise_ns``), with enough requests over it that
+  it is not bad luck (``min_score``)? A window with fewer than
+  ``min_requests`` requests waits to be judged together with the windows after
+  it, up to ``max_merge_windows`` of them (merged windows tumble: each request
+  is judged once). This finds a rise within one window;
+- the **sequential test** (:mod:`spikehound.detectors.sequential`) request by request:
+  each request's surprise against the stream's learned normal requests goes
+  into a CUSUM that carries across windows, so a stream with three calls a
+  minute is judged on its last calls, whatever window they fell in.
+
+A stream is *hot* when either test has something to say: the window test
+fires, or the sequential evidence holds a slow request and reaches
+``hot_evidence``. Hot streams are attributed and grouped into incidents by
+:mod:`spikehound.detectors.incidents`; this module only judges.
+
+Learning is held back while a stream is hot or in an incident, so that a
+spike never teaches itself to be normal: the window test learns a window that
+was judged normal, and the request pool learns a window's requests once the
+evidence has gone back to zero without an incident (a lone stall is learned
+then, as the normal tail it is). An incident open for ``adapt_after_windows``
+windows is taken as the new normal: its streams learn again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from itertools import islice
+from operator import itemgetter
+
+from spikehound.detectors.p99_spike import P99SpikeDetector
+from spikehound.detectors.sequential import SequentialEvidence, TailSurprise
+from spikehound.detectors.settings import DetectionSettings
+from spikehound.detectors.streams import StreamKey
+from spikehound.detectors.windows import Sample
+from spikehound.model import LatencyWindow
+
+RECENT_NS = 600 * 10**9  # a stream judged in the last ten minutes (event time) is one of the hypotheses tested
+SEQUENTIAL_MAX = 256  # requests of one window the sequential test reads (a busy one is thinned to this)
+EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
+
+__all__ = ["Judgement", "StreamJudge", "tail_band"]
+
+
+@dataclass(slots=True)
+class Judgement:
+    """The verdict on one closed window of one stream."""
+
+    stream: StreamKey
+    root: bool  # a stream of trace roots: what users see
+    window_start_ns: int
+    window_end_ns: int
+    count: int  # requests the window test judged (merged with earlier windows on low traffic); 0: not judged
+    p99_ns: int
+    baseline_ns: int  # the learned normal p99 (the request pool's while the window test is not warm)
+    score: float  # the window test's surprise (-log10 P), 0 when it did not judge
+    dense: bool  # the window test fired: a material rise over many requests
+    elevated: bool  # the window test still sees half the rise (what holds a busy stream's incident open)
+    evidence: float  # the sequential evidence (-log10 units) after this window
+    samples: list[Sample]  # this window's requests, fastest first
+    judged: list[Sample]  # the requests the window test judged (this window, or merged with earlier ones)
+    onset_ns: int  # where the rise began
+    hot: bool = False  # worth attributing and grouping
+    exceed: int = 0  # requests the window test judged that were slower than the baseline
+    spread_ns: int = 0  # how far apart in time the slow requests of the window test ended
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.window_start_ns, self.window_end_ns
+
+
+@dataclass(slots=True)
+class _StreamState:
+    window_test: P99SpikeDetector
+    tail: TailSurprise
+    evidence: SequentialEvidence
+    root: bool = False
+    recent: deque[tuple[int, int, tuple[Sample, ...]]] = field(default_factory=deque)
+    pending: list[list[int]] = field(default_factory=list)  # windows' durations not learned yet (evidence > 0)
+    incident: str | None = None
+    incident_windows: int = 0
+    last_end_ns: int = 0
+    quiet_windows: int = 0  # windows without the window test still seeing half the rise
+
+
+class StreamJudge:
+    """Judges closed windows per stream and holds what each stream learned; pure, no clock."""
+
+    def __init__(self, settings: DetectionSettings) -> None:
+        self.settings = settings
+        self.evicted_streams = 0
+        # Least recently judged first; bounded by max_streams so that a storm of one-off operation names
+        # cannot grow it without end (a stream in an incident is never evicted).
+        self._streams: OrderedDict[StreamKey, _StreamState] = OrderedDict()
+
+    # -- input -------------------------------------------------------------
+
+    def judge(self, window: LatencyWindow, root: bool = False) -> Judgement:
+        """Judge one closed window (nothing is learned yet: see :meth:`settle`)."""
+        s = self.settings
+        stream = StreamKey(window.service, window.operation, window.peer_service)
+        state = self._state(stream)
+        state.root = state.root or root
+        state.last_end_ns = max(state.last_end_ns, window.end_unix_nano)
+        j = self._window_test(state, stream, window)
+        if window.count >= s.min_requests and state.window_test.warm:
+            # A busy window is the window test's to judge, and far more sensitive there; request by request
+            # it would only add cost. The evidence starts from zero, and the window counts as calm or not.
+            state.evidence.reset()
+            state.evidence.calm_run = 0 if j.elevated or j.dense else state.evidence.calm_run + window.count
+        else:
+            # The sequential test: every request in end-time order, into the stream's running evidence. A
+            # busy window whose window test is still learning is thinned evenly across its latencies (they
+            # are sorted by duration): its rise shows as well in a few hundred, at a fraction of the cost.
+            samples = window.samples
+            if len(samples) > SEQUENTIAL_MAX:
+                samples = samples[::-(-len(samples) // SEQUENTIAL_MAX)]
+            by_end = sorted(samples, key=itemgetter(3))
+            surprises = state.tail.surprises([d for d, _, _, _ in by_end])
+            state.evidence.update(window.start_unix_nano, list(zip(surprises, by_end, strict=True)))
+        j.evidence = state.evidence.value
+        if j.count == 0:  # the window test did not judge: report this window's own numbers
+            j.p99_ns = window.p99_ns
+        if not j.baseline_ns:
+            j.baseline_ns = int(state.tail.quantile(0.99))
+        seq_onset = state.evidence.onset_ns
+        if seq_onset is not None and not j.dense:
+            j.onset_ns = seq_onset
+        j.hot = j.dense or (bool(state.evidence.slow) and j.evidence >= s.hot_evidence)
+        return j
+
+    def settle(self, j: Judgement, incident: str | None) -> None:
+        """After grouping: record the stream's incident and learn what may be learned from ``j``."""
+        s = self.settings
+        state = self._streams.get(j.stream)
+        if state is None:
+            return
+        if incident is not None and state.incident != incident:
+            state.incident, state.incident_windows = incident, 0
+            state.pending.clear()  # the requests before it belonged to the rise
+        quiet = not j.elevated and not j.dense
+        state.quiet_windows = state.quiet_windows + 1 if quiet else 0
+        if state.incident is not None:
+            state.incident_windows += 1
+            if state.incident_windows < s.adapt_after_windows:
+                return
+        if j.count and not j.dense and not j.hot:
+            state.window_test.learn_one({"p99": j.p99_ns, "count": j.count, "exceed": j.exceed})
+        learnable = _spread_over(j.samples, s.pool_per_window)
+        if state.evidence.value > 0.0 and state.incident is None:
+            state.pending.append(learnable)  # learned once the evidence is back to zero without an incident
+            if len(state.pending) > s.max_merge_windows * 30:
+                self._learn(state, state.pending.pop(0))
+            return
+        for held in state.pending:
+            self._learn(state, held)
+        state.pending.clear()
+        self._learn(state, learnable)
+
+    def release(self, stream: StreamKey) -> None:
+        """The stream's incident resolved: its evidence starts again from zero."""
+        state = self._streams.get(stream)
+        if state is None:
+            return
+        state.incident = None
+        state.incident_windows = 0
+        state.evidence.reset()
+        state.pending.clear()
+        state.recent.clear()  # the incident's requests must not be judged again in a merged window
+
+    # -- introspection -----------------------------------------------------
+
+    def evidence(self, stream: StreamKey) -> SequentialEvidence | None:
+        state = self._streams.get(stream)
+        return state.evidence if state else None
+
+    def is_calm(self, stream: StreamKey, watermark_ns: int) -> bool:
+        """Has ``stream`` come back to normal: no traffic for a while, or its latest requests and windows normal?"""
+        s = self.settings
+        state = self._streams.get(stream)
+        if state is None or state.last_end_ns < watermark_ns - s.max_merge_windows * s.window_ns:
+            return True
+        return state.evidence.calm_run >= s.resolve_requests and state.quiet_windows >= s.resolve_windows
+
+    def is_root(self, stream: StreamKey) -> bool:
+        state = self._streams.get(stream)
+        return bool(state and state.root)
+
+    def baseline_ns(self, stream: StreamKey) -> int | None:
+        state = self._streams.get(stream)
+        if state is None:
+            return None
+        if state.window_test.n_learned:
+            return int(state.window_test.baseline)
+        return int(state.tail.quantile(0.99)) if state.tail.pooled else None
+
+    def is_warm(self, stream: StreamKey) -> bool:
+        state = self._streams.get(stream)
+        return bool(state and (state.window_test.warm or state.tail.warm))
+
+    def warm_streams(self, now_ns: int) -> int:
+        """Streams judged by a warm test in the last ``RECENT_NS``: the hypotheses tested, window by window.
+
+        Streams that went quiet (a route no one calls any more, yesterday's one-off names) test nothing and
+        must not raise everyone's bar.
+        """
+        since = now_ns - RECENT_NS
+        return sum(1 for st in self._streams.values()
+                   if st.last_end_ns >= since and (st.window_test.warm or st.tail.warm))
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    # -- internals ---------------------------------------------------------
+
+    def _state(self, stream: StreamKey) -> _StreamState:
+        state = self._streams.get(stream)
+        if state is not None:
+            self._streams.move_to_end(stream)
+            return state
+        s = self.settings
+        if len(self._streams) >= s.max_streams:
+            # Of the least recently judged, one that never learned enough to judge goes first: a flood of
+            # one-off names then pushes out its own kind, not the baselines that took hours to learn.
+            free = [old for old, st in islice(self._streams.items(), EVICTION_SCAN) if st.incident is None]
+            cold = next((old for old in free if not (self._streams[old].tail.warm
+                                                     or self._streams[old].window_test.warm)), None)
+            victim = cold if cold is not None else free[0] if free else next(
+                (old for old, st in self._streams.items() if st.incident is None), None)
+            if victim is not None:
+                del self._streams[victim]
+                self.evicted_streams += 1
+        state = _StreamState(
+            P99SpikeDetector(window_size=s.baseline_windows, grace_period=s.grace_windows),
+            TailSurprise(pool_size=s.request_pool, grace_requests=s.grace_requests, min_rise=s.min_rise,
+                         min_abs_rise=s.min_abs_rise_ns, max_surprise=s.max_surprise),
+            SequentialEvidence(drift=s.surprise_drift, slow_surprise=s.slow_surprise))
+        self._streams[stream] = state
+        return state
+
+    @staticmethod
+    def _learn(state: _StreamState, durations: list[int]) -> None:
+        for duration in durations:
+            state.tail.learn_one({"duration": duration})
+
+    def _window_test(self, state: _StreamState, stream: StreamKey, window: LatencyWindow) -> Judgement:
+        """The window test on this window, merged with the ones before it while traffic is low."""
+        s = self.settings
+        start, end = window.start_unix_nano, window.end_unix_nano
+        if window.count >= s.min_requests:
+            state.recent.clear()
+            parts: list[tuple[int, int, tuple[Sample, ...]]] = [(start, end, window.samples)]
+            samples = list(window.samples)
+        else:
+            horizon = end - s.max_merge_windows * s.window_ns
+            state.recent.append((start, end, window.samples))
+            while state.recent and state.recent[0][0] < horizon:
+                state.recent.popleft()
+            parts = list(state.recent)
+            samples = sorted(x for _, _, part in parts for x in part)
+        verdict = Judgement(stream=stream, root=state.root, window_start_ns=start, window_end_ns=end, count=0,
+                            p99_ns=0, baseline_ns=0, score=0.0, dense=False, elevated=False, evidence=0.0,
+                            samples=list(window.samples), judged=samples, onset_ns=start)
+        detector = state.window_test
+        if len(samples) < s.min_requests:
+            if detector.n_learned:
+                verdict.baseline_ns = int(detector.baseline)
+            return verdict
+        # Merged windows tumble: the next judgement starts from fresh requests. Sliding, each request would be
+        # judged (and learned) a dozen times over, and the baseline would follow the last minute's luck.
+        state.recent.clear()
+        n = len(samples)
+        p99 = samples[min(max(-(-99 * n // 100) - 1, 0), n - 1)][0]  # nearest rank, as windows.nearest_rank
+        baseline = int(detector.baseline)
+        exceed = n - bisect.bisect_right(samples, baseline, key=itemgetter(0)) if baseline else 0
+        # Half the rise is enough to be scored: an open incident stays open while it holds (hysteresis).
+        half_rise = detector.warm and p99 >= baseline * (1 + s.min_rise / 2) and p99 - baseline >= s.min_abs_rise_ns / 2
+        material = half_rise and p99 >= baseline * (1 + s.min_rise) and p99 - baseline >= s.min_abs_rise_ns
+        # The score last: it is the only costly test.
+        score = detector.score_one({"p99": p99, "count": n, "exceed": exceed}) if half_rise else 0.0
+        verdict.count, verdict.p99_ns, verdict.baseline_ns, verdict.score = n, p99, baseline, score
+        verdict.exceed = exceed
+        verdict.elevated = score >= s.min_score / 2
+        if material and score >= s.min_score:
+            slow_ends = [e for d, _, _, e in samples if d > baseline]
+            verdict.spread_ns = max(slow_ends) - min(slow_ends) if slow_ends else 0
+            verdict.dense = True
+            verdict.onset_ns = _change_point(parts, baseline)
+        return verdict
+
+
+def _spread_over(samples: list[Sample], limit: int) -> list[int]:
+    """The durations of at most ``limit`` of ascending ``samples``, taken evenly over their whole range (a
+    busy window is thinned into the request pool without tilting it towards its median or its tail)."""
+    n = len(samples)
+    step = max(n // limit, 1) if limit > 0 else n + 1
+    return [samples[i][0] for i in range(step // 2, n, step)][:limit]
+
+
+def _change_point(parts: list[tuple[int, int, tuple[Sample, ...]]], baseline: int) -> int:
+    """The start of the merged window from which requests over ``baseline`` are likeliest to have risen.
+
+    The maximum-likelihood change point of a rate: the split that best separates a low share of
+    requests over the baseline before it from a high share after, so that one stray slow request two
+    minutes earlier does not move the onset back to it.
+    """
+    counts = [(start, len(part), sum(1 for d, _, _, _ in part if d > baseline)) for start, _, part in parts]
+    if len(counts) == 1:
+        return counts[0][0]
+    best, onset = -math.inf, counts[-1][0]
+    for i in range(len(counts)):
+        after_n = sum(n for _, n, _ in counts[i:])
+        after_k = sum(k for _, _, k in counts[i:])
+        before_n = sum(n for _, n, _ in counts[:i])
+        before_k = sum(k for _, _, k in counts[:i])
+        if after_k == 0:
+            continue
+        ll = _bernoulli_ll(after_k, after_n) + _bernoulli_ll(before_k, before_n)
+        if ll > best + 1e-9:
+            best, onset = ll, counts[i][0]
+    return onset
+
+
+def _bernoulli_ll(k: int, n: int) -> float:
+    if n == 0 or k in (0, n):
+        return 0.0
+    p = k / n
+    return k * math.log(p) + (n - k) * math.log(1 - p)
+
+
+def tail_band(samples: list[Sample], limit: int) -> list[Sample]:
+    """Up to ``limit`` requests spread evenly over the p90-and-up tail of ascending ``samples``.
+
+    >>> [d for d, _, _, _ in tail_band([(i, b"", b"", 0) for i in range(1, 101)], 3)]
+    [90, 95, 100]
+    """
+    n = len(samples)
+    if n == 0 or limit < 1:
+        return []
+    p90_index = -(-9 * n // 10) - 1  # nearest-rank p90
+    band = samples[p90_index:]
+    if len(band) <= limit:
+        return list(band)
+    if limit == 1:
+        return [band[-1]]
+    step = (len(band) - 1) / (limit - 1)
+    return [band[round(i * step)] for i in range(limit)]
