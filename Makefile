@@ -16,9 +16,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/spikehound demo
 
+# Parallel on pytest-xdist workers; TEST_WORKERS=0 runs serially (docs/development.md).
+TEST_WORKERS ?= 3
+
 test: $(STAMP)
 	sh tests/apt-install.sh prometheus "the Prometheus tests" prometheus promtool
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest
@@ -31,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compare
 	$(BIN)/python -m benchmarks.alert_latency
 	$(BIN)/python -m benchmarks.memory_abuse
+	$(BIN)/python -m benchmarks.profile_diff
 	$(BIN)/python -m benchmarks.fuzz
 	$(BIN)/python -m benchmarks.api_fuzz
 
@@ -58,3 +62,18 @@ gpu-check: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m gpu -rs tests/test_nvml_sampler.py
 	mkdir -p nvml-recordings
 	$(BIN)/python -m spikehound.agent.samplers.nvml --record nvml-recordings/$$(hostname)-$$(date +%s).json --samples 5
+
+# The OCI image for both daemons (deploy/container/, docs/kubernetes.md): built from Debian packages with
+# buildah and debootstrap, no registry needed; skipped when an image of the same inputs exists. The image tests
+# (tests/test_image.py) run it with podman, and the manifest tests (tests/test_kubernetes.py) render with kubectl:
+# their tools are installed here when missing (as root, as CI runs); without them those tests skip and say why.
+.PHONY: image image-tools
+image: $(STAMP)
+	$(BIN)/python deploy/container/build_image.py
+test: image-tools
+image-tools:
+	sh tests/apt-install.sh buildah "the image tests" buildah
+	sh tests/apt-install.sh debootstrap "the image tests" debootstrap
+	sh tests/apt-install.sh podman "the image tests" podman
+	sh tests/apt-install.sh runc "the image tests (podman's crun refuses hosts with hybrid cgroups)" runc
+	sh tests/apt-install.sh kubernetes-client "the manifest tests" kubectl

@@ -21,7 +21,8 @@ from typing import Any
 
 from spikehound import __version__
 from spikehound.config import Config, ConfigError, HostPort, check_otlp_exposure, effective, load, to_toml
-from spikehound.text import printable
+from spikehound.text import printable, recurrence
+from spikehound.timefmt import parse_time
 
 DEFAULT_API_URL = "http://127.0.0.1:8470"
 
@@ -62,11 +63,15 @@ def cmd_collector(args: argparse.Namespace) -> int:
     from spikehound import logs
     from spikehound.collector.daemon import Collector
     from spikehound.lifecycle import serve
+    from spikehound.storage.engine import DatabaseUnavailable
 
     cfg = _config(args)
     try:
         logs.configure(cfg)
         return asyncio.run(serve(Collector(cfg), reload_config=lambda: _config(args)))
+    except DatabaseUnavailable as exc:  # one line, what to do, and a status systemd acts on (docs/operations.md)
+        print(f"spikehound collector: {exc}", file=sys.stderr)
+        return exc.status
     except OSError as exc:
         print(f"spikehound collector: {exc}", file=sys.stderr)
         return 1
@@ -108,11 +113,20 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from spikehound.storage.engine import make_engine
+    from sqlalchemy.exc import OperationalError
+
+    from spikehound.storage.engine import DatabaseUnavailable, make_engine, unavailable
     from spikehound.storage.migrate import upgrade
 
     cfg = _config(args)
-    revision = upgrade(make_engine(cfg.database_url, sqlite_synchronous=cfg.storage.sqlite_synchronous))
+    try:
+        try:
+            revision = upgrade(make_engine(cfg.database_url, sqlite_synchronous=cfg.storage.sqlite_synchronous))
+        except (OperationalError, OSError) as exc:
+            raise unavailable(exc, cfg.database_url) from None
+    except DatabaseUnavailable as exc:
+        print(f"spikehound db upgrade: {exc}", file=sys.stderr)
+        return exc.status
     print(f"database schema at revision {revision}")
     return 0
 
@@ -190,6 +204,8 @@ def cmd_spike(args: argparse.Namespace) -> int:
     print(_safe(f"spike {spike['id']} ({spike['state']}) on {caller}{spike['service']} {spike['operation']}"))
     print(_safe(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
                 f"against a baseline of {spike['baseline_p99_ms']:.1f} ms"))
+    if spike.get("recurrence_of"):
+        print(_safe(f"  {_recurrence_line(spike)}"))
     for rank, cause in enumerate(spike["causes"], 1):
         print(_safe(f"  {rank}. [{cause['kind']}] {cause['summary']} "
                     f"(explains {cause['score']:.0%} of the added latency)"))
@@ -210,6 +226,12 @@ def cmd_spike(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recurrence_line(spike: dict[str, Any]) -> str:
+    """"the same fault again: 3rd time in 25 min (first: spike X)"."""
+    since = parse_time(spike["start"]) - parse_time(spike["first_start"]) if spike.get("first_start") else 0
+    return f"the same fault again: {recurrence(spike['occurrence'], since)} (first: spike {spike['recurrence_of']})"
+
+
 PROFILE_CHANGES_SHOWN = 3
 
 
@@ -226,6 +248,8 @@ def _print_profile(api_url: str, spike_id: str) -> None:
     if not groups:
         print(_safe(f"  Profile: {body.get('reason') or 'no profiles in the spike windows'}"))
         return
+    if body.get("partial"):
+        print(_safe(f"  Profile (partial): {body['partial']}"))
     for g in groups:
         print(_safe(f"  Profile: {g['service'] or '?'} on {g['host']} ({g['kind']} samples: "
                     f"{g['samples_spike']} during the spike, {g['samples_baseline']} before):"))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 from spikehound.endpoints import parse_collectors
 from spikehound.model import CauseKind
@@ -219,6 +219,11 @@ class AgentConfig:
     # Which threads a sample reads: "gil", the one running Python code (its cost does not grow with the threads);
     # "cpu", every thread on a CPU, native code that released the GIL too; "wall", every thread, idle ones too.
     profile_threads: Literal["gil", "cpu", "wall"] = "gil"
+    # Most model-server processes sampled and profiled (py-spy children at once); PID files first, then those
+    # running longest. Any local user can start a process that process_patterns matches.
+    profile_max_processes: int = 32
+    # Only processes of these users (names or numeric uids, as strings) are sampled and profiled; empty: any user's.
+    profile_users: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -241,7 +246,7 @@ class DetectionConfig:
     grace_windows: int = 12
     # Normal windows the rolling baseline covers (90 x 10 s = 15 minutes).
     baseline_windows: int = 90
-    # Calm windows in a row that resolve a spike.
+    # Calm windows in a row of a busy stream that end a spike it carried.
     resolve_windows: int = 2
     # Judge every caller -> callee edge on the callers' CLIENT spans too (a delay in front of a service).
     hop_streams: bool = True
@@ -253,8 +258,8 @@ class DetectionConfig:
     min_evidence: float = 4.0
     # ... carried by at least this many distinct slow requests ...
     min_slow_requests: int = 2
-    # ... and normal requests in a row after which a stream is calm again.
-    resolve_requests: int = 5
+    # Evidence toward normal (log10 odds, from the requests through a spike's locus) that ends a spike.
+    end_evidence: float = 3.0
     # Spans of recent traces held in memory for attribution (about 300 bytes each).
     trace_buffer_spans: int = 200_000
     # Causes kept per spike.
@@ -271,7 +276,7 @@ class ReceiverConfig:
     name: str = ""
     # slack: Block Kit message to an incoming webhook; webhook: Alertmanager (version 4) JSON, signed.
     type: Literal["slack", "webhook"] = "webhook"
-    # Where a webhook is POSTed; shown by check-config (a password in it is hidden).
+    # Where a webhook is POSTed; shown by check-config with its password and query values hidden.
     url: str = ""
     # A URL that is itself the credential (a Slack incoming webhook): never shown, never logged.
     url_secret: str = ""
@@ -349,8 +354,12 @@ class ClusterConfig:
     lead: bool = True
     # Seconds between a member's heartbeats, and between a follower's tries for the leader's lock.
     heartbeat_seconds: float = 1.0
-    # A member silent this long is gone: the leader stops waiting for its data.
+    # A leader silent this long is deposed (another leads); a process starting under a member's name whose
+    # row is younger than this first watches for its heartbeats.
     member_timeout_seconds: float = 10.0
+    # A member silent this long is gone: the leader stops holding the windows for its share. Longer than a
+    # restart under the shipped unit (RestartSec=5, start-up, three heartbeats to take its name back: 10-12 s).
+    member_gone_seconds: float = 30.0
 
 
 @dataclass(slots=True)
@@ -586,7 +595,7 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
         except re.error as exc:
             raise ConfigError(f"{named('agent.process_patterns')}: {pattern!r} is not a regular expression: {exc}"
                               ) from None
-    link = urlsplit(c.public_url)
+    link = _url_parts(c.public_url, named("collector.public_url"))
     if c.public_url and (link.scheme not in ("http", "https") or not link.hostname):
         raise ConfigError(f"{named('collector.public_url')}: expected an http:// or https:// URL, got {c.public_url!r}")
     for name in c.allowed_hosts:
@@ -594,23 +603,40 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
             raise ConfigError(f"{named('collector.allowed_hosts')}: {name!r} is not a host name (no scheme, port "
                               "or path; \"*\" allows any)")
     url = cfg.database_url
-    if not url.startswith(("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")):
+    if not url.startswith(DATABASE_SCHEMES):
         raise ConfigError(f"{named('storage.url')}: expected a sqlite:// or postgresql:// URL, "
                           f"got {redact_url(url)!r}")
+    _url_parts(url, named("storage.url"))
     _check_alerts(cfg.alerts, named)
     _check_tls(cfg, named)
     _check_cluster(cfg, named)
 
 
+def _url_parts(url: str, where: str, shown: str | None = None) -> SplitResult:
+    """``url`` split, its port read; a :class:`ConfigError` naming ``where`` when it cannot be (an unclosed
+    ``[`` of an IPv6 host, a port that is no number or beyond 65535). ``shown``: how to show the URL (a secret's
+    reference rather than the URL it holds)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not a valid URL ({exc}): {shown or repr(redact_url(url))}") from None
+    return parts
+
+
 def _check_cluster(cfg: Config, named: Callable[[str], str]) -> None:
     k = cfg.cluster
     for key, value in {"cluster.heartbeat_seconds": k.heartbeat_seconds,
-                       "cluster.member_timeout_seconds": k.member_timeout_seconds}.items():
+                       "cluster.member_timeout_seconds": k.member_timeout_seconds,
+                       "cluster.member_gone_seconds": k.member_gone_seconds}.items():
         if value <= 0:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     if k.member_timeout_seconds < 2 * k.heartbeat_seconds:
         raise ConfigError(f"{named('cluster.member_timeout_seconds')}: must be at least twice "
                           f"cluster.heartbeat_seconds ({k.heartbeat_seconds:g}), got {k.member_timeout_seconds:g}")
+    if k.member_gone_seconds < k.member_timeout_seconds:
+        raise ConfigError(f"{named('cluster.member_gone_seconds')}: must be at least cluster.member_timeout_seconds "
+                          f"({k.member_timeout_seconds:g}), got {k.member_gone_seconds:g}")
     if k.member and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", k.member):
         raise ConfigError(f"{named('cluster.member')}: expected 1 to 64 letters, digits or \"._:-\", "
                           f"got {k.member!r}")
@@ -629,6 +655,12 @@ def _check_profiling(a: AgentConfig, named: Callable[[str], str]) -> None:
     if not 1 <= window <= 3600 or window != int(window):
         raise ConfigError(f"{named('agent.profile_window_seconds')}: must be a whole number of seconds from 1 to "
                           f"3600 (py-spy records whole seconds), got {window}")
+    if not 1 <= a.profile_max_processes <= 4096:
+        raise ConfigError(f"{named('agent.profile_max_processes')}: must be between 1 and 4096, "
+                          f"got {a.profile_max_processes}")
+    for user in a.profile_users:
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?", user):
+            raise ConfigError(f"{named('agent.profile_users')}: {user!r} is not a user name or a numeric uid")
 
 
 def _check_agent_collector(a: AgentConfig, named: Callable[[str], str]) -> None:
@@ -670,7 +702,8 @@ def _check_alerts(a: AlertsConfig, named: Callable[[str], str]) -> None:
         names.add(r.name)
         if bool(r.url) == bool(r.url_secret):
             raise ConfigError(f"{where} ({r.name}): give exactly one of url and url_secret")
-        target = urlsplit(r.url or r.url_secret)
+        target = _url_parts(r.url or r.url_secret, f"{where} ({r.name}): {'url' if r.url else 'url_secret'}",
+                            shown=None if r.url else "(url_secret)")
         if target.scheme not in ("http", "https") or not target.hostname:
             shown = redact_url(r.url) if r.url else "(url_secret)"
             raise ConfigError(f"{where} ({r.name}): expected an http:// or https:// URL, got {shown!r}")
@@ -827,22 +860,80 @@ def _resolve_secret_references(cfg: Config, env: typing.Mapping[str, str],
 
 
 SECRET_SUFFIXES = ("token", "secret", "password")
+DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgresql+psycopg://", "postgres://")
+
+
+# Query parameters whose values are shown: libpq's connection settings that hold no secret. Any other value (a
+# password, a webhook's ?key= or ?token=) is hidden.
+SHOWN_QUERY_KEYS = frozenset({"sslmode", "connect_timeout", "application_name", "target_session_attrs",
+                              "gssencmode", "channel_binding", "keepalives", "keepalives_idle",
+                              "keepalives_interval", "keepalives_count", "tcp_user_timeout"})
+MIN_LOGGED_SECRET = 8  # a query value at least this long is also kept out of log lines (shorter: ordinary words)
+
+
+def _split(url: str) -> SplitResult | None:
+    """``url`` split; None when it cannot be (an unclosed ``[``): configuration refuses it, logs must not fail."""
+    try:
+        return urlsplit(url)
+    except ValueError:
+        return None
+
+
+def _token_user(parts: SplitResult) -> str | None:
+    """The user name of a URL that has no password and is not a database's: often a token used as the user."""
+    if parts.username and parts.password is None and not f"{parts.scheme}://".startswith(DATABASE_SCHEMES):
+        return parts.username
+    return None
 
 
 def redact_url(url: str) -> str:
-    """Hide the password in a database URL: ``postgresql://u:***@h/db``, also ``?password=***``.
+    """Hide the password of a URL and every query value but libpq's harmless settings: ``postgresql://u:***@h/db``,
+    ``https://hooks.example/in?key=***``; a fragment is hidden whole. A user name without a password is hidden too
+    (a token is often passed that way), but a database URL's role name is kept. A URL that cannot be read is hidden
+    whole but its scheme; this never raises.
 
     >>> redact_url("postgresql://app:s3cret@db/spikehound?sslmode=require&password=s3cret")
     'postgresql://app:***@db/spikehound?sslmode=require&password=***'
+    >>> redact_url("https://hooks.example/alert?channel=ops&key=AIzaSyD-s3cret&bare-s3cret#tok")
+    'https://hooks.example/alert?channel=***&key=***&***#***'
+    >>> redact_url("https://ghp_t0ken@hooks.example/in"), redact_url("postgresql://u:s3cret@[::1/db")
+    ('https://***@hooks.example/in', 'postgresql://***')
     """
-    parts = original = urlsplit(url)
+    parts = original = _split(url)
+    if parts is None:
+        scheme, sep, _ = url.partition("://")
+        return f"{scheme}://***" if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) else "***"
     if parts.password:
         parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if any(k.lower() == "password" for k, _ in query):
-        parts = parts._replace(query=urlencode([(k, "***" if k.lower() == "password" else v) for k, v in query],
-                                               safe="*"))
+    elif _token_user(parts):
+        parts = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
+    if parts.query:
+        shown = []
+        for piece in parts.query.split("&"):
+            key, eq, _ = piece.partition("=")
+            visible = unquote(key).lower() in SHOWN_QUERY_KEYS
+            shown.append(piece if visible or not piece else f"{key}=***" if eq else "***")
+        parts = parts._replace(query="&".join(shown))
+    if parts.fragment:
+        parts = parts._replace(fragment="***")
     return url if parts == original else urlunsplit(parts)
+
+
+def _query_secrets(url: str) -> set[str]:
+    """The query values ``redact_url`` hides that are long enough to look for in log lines, as written and decoded.
+
+    >>> sorted(_query_secrets("https://h/in?sslmode=require&key=s3cret%2Bkey&n=1"))
+    ['s3cret%2Bkey', 's3cret+key']
+    """
+    found: set[str] = set()
+    parts = _split(url)
+    if parts is None:
+        return {url}  # unreadable: hidden whole
+    for piece in parts.query.split("&"):
+        key, _, value = piece.partition("=")
+        if unquote(key).lower() not in SHOWN_QUERY_KEYS and len(unquote(value)) >= MIN_LOGGED_SECRET:
+            found.update({value, unquote(value)})
+    return found
 
 
 def effective(cfg: Config) -> dict[str, Any]:
@@ -896,7 +987,8 @@ def to_toml(doc: dict[str, Any]) -> str:
 
 
 def secret_values(cfg: Config) -> list[str]:
-    """Every secret the configuration holds (tokens, database passwords), longest first, for log redaction.
+    """Every secret the configuration holds (tokens, URL passwords, hidden URL query values of 8 characters or
+    more), longest first, for log redaction.
 
     >>> cfg = load(env={}, flags={"collector.api_token": "t0ken", "storage.url": "postgresql://u:p%40ss@db/x"})
     >>> secret_values(cfg)
@@ -915,13 +1007,18 @@ def secret_values(cfg: Config) -> list[str]:
                         walk(item)
             elif isinstance(value, str) and value and f.name.endswith(SECRET_SUFFIXES):
                 found.add(value)
-            elif isinstance(value, str) and f.name == "url" and urlsplit(value).password:
-                password = urlsplit(value).password or ""
-                found.update({password, unquote(password)})
+            elif isinstance(value, str) and f.name == "url":
+                parts = _split(value)
+                password = (parts.password if parts else None) or ""
+                found.update({password, unquote(password)} if password else set())
+                user = _token_user(parts) if parts else None
+                found.update({user, unquote(user)} if user else set())
+                found.update(_query_secrets(value))
 
     walk(cfg)
-    parts = urlsplit(cfg.database_url)
+    parts = _split(cfg.database_url) or urlsplit("")
     if parts.password:
         found.update({parts.password, unquote(parts.password)})
     found.update(v for k, v in parse_qsl(parts.query) if k.lower() == "password" and v)
+    found.update(_query_secrets(cfg.database_url))
     return sorted(found, key=lambda s: (-len(s), s))

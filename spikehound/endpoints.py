@@ -24,7 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")
+# A host name of labels of letters, digits, ``-`` and ``_`` (container names), neither starting nor ending with
+# ``-`` or ``_``, at most 63 each and 253 in all (a final dot allowed); or an IPv6 address in brackets.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
+_HOST = re.compile(rf"(?=.{{1,254}}$)(?:{_LABEL}\.)*{_LABEL}\.?|\[[0-9A-Fa-f:.]+\]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,8 @@ def parse_endpoint(text: str) -> Endpoint:
 
 def _host_port(rest: str, text: str) -> tuple[str, int]:
     host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit() or not _HOST.fullmatch(host):
+    # isdigit alone takes other scripts' digits (and superscripts), which int() reads or chokes on.
+    if not sep or not (port.isascii() and port.isdigit()) or not _HOST.fullmatch(host):
         raise ValueError(f"expected host:port, http://host:port or https://host:port, got {text.strip()!r}")
     if not 0 < int(port) <= 65535:
         raise ValueError(f"port {port} is out of range 1-65535 in {text.strip()!r}")

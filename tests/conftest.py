@@ -24,12 +24,12 @@ from tests.support.ci import IN_CI
 from tests.support.storage_data import NOW, SPIKES, T0, S, make_span, point, window
 
 
-def _postgres_server() -> Iterator[PostgresServer]:
+def _postgres_server(*, durable: bool) -> Iterator[PostgresServer]:
     if find_pg_bin() is None:
         if IN_CI:
             pytest.fail("PostgreSQL binaries are missing; CI must test against a real server")
         pytest.skip("PostgreSQL is not installed")
-    server = PostgresServer()
+    server = PostgresServer(durable=durable)
     server.start()
     yield server
     server.stop()
@@ -37,14 +37,16 @@ def _postgres_server() -> Iterator[PostgresServer]:
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PostgresServer]:
-    """One PostgreSQL server for the session; each test that asks gets its own database."""
-    yield from _postgres_server()
+    """One PostgreSQL server for the session (for each xdist worker); each test that asks gets its own database.
+    Nothing kills it, so it runs without fsync."""
+    yield from _postgres_server(durable=False)
 
 
 @pytest.fixture(scope="module")
 def own_pg_server() -> Iterator[PostgresServer]:
-    """A PostgreSQL server of one test module's own, for tests that stop and restart it."""
-    yield from _postgres_server()
+    """A PostgreSQL server of one test module's own, for tests that stop and restart it (fsync on: a crash
+    recovers for real)."""
+    yield from _postgres_server(durable=True)
 
 
 @pytest.fixture
@@ -120,3 +122,19 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
                                                  HealthCheck.large_base_example])
 settings.register_profile("dev", parent=settings.get_profile("ci"), derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# make test runs on pytest-xdist with --dist loadscope, which hands out whole modules in collection order. The
+# modules that take a minute or more (measured with --durations=0) go first, longest first, so that none of
+# them starts last and keeps one worker busy after the others are done. Only the order depends on this list.
+LONGEST_FIRST = (
+    "test_image.py", "test_scale_out.py", "test_demo.py", "test_detection_suite.py", "test_agent.py",
+    "test_detection_live.py", "test_storage_faults.py", "test_cluster.py", "test_detection_recurrence.py",
+    "test_detection_continuity.py", "test_web_browser.py", "test_alert_live.py", "test_web_pages.py",
+    "test_fuzz.py", "test_profiler.py", "test_ingest_sdk.py", "test_distribution.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

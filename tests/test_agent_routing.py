@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, closing
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,7 @@ from spikehound.config import ConfigError, load
 from spikehound.endpoints import parse_collectors
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
+from tests.support.served import stored_spans
 from tests.support.trace_sender import TraceSender, whole_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,6 +361,13 @@ def test_dns_and_file_forms_parse():
         == "/etc/c.list"
 
 
+@pytest.mark.parametrize("entry", ["..:4317", "-:4317", "_:4317", "a..b:4317", "-a.example:4317", "a-.example:4317",
+                                   "a:\uff14\uff13\uff11\uff17", "a:\u0664\u0663\u0661\u0667", "a:\u00b2"])
+def test_a_host_that_is_no_host_name_or_a_port_of_other_digits_is_refused_naming_the_entry(entry):
+    with pytest.raises(ValueError, match=re.escape(repr(entry))):
+        parse_collectors(f"good.example:4317,{entry}")
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"agent.collector": "collector"}, "agent.collector: expected host:port"),
     ({"agent.collector": "a:4317,b"}, "agent.collector: expected host:port"),
@@ -381,23 +389,6 @@ def test_a_bad_collector_setting_names_the_key(settings, message):
 
 
 # --- live: real collectors, a real agent ----------------------------------------------------------
-
-
-def stored_spans(db: Path) -> set[tuple[str, str]]:
-    """(trace id, span id) of every span a collector's SQLite database holds (a replayed block counts once)."""
-    if not db.exists():
-        return set()
-    found: set[tuple[str, str]] = set()
-    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-        try:
-            rows = conn.execute("SELECT payload FROM span_blocks").fetchall()
-        except sqlite3.OperationalError:  # not migrated yet
-            return set()
-    for (payload,) in rows:
-        for rs in ExportTraceServiceRequest.FromString(payload).resource_spans:
-            for ss in rs.scope_spans:
-                found.update((sp.trace_id.hex(), sp.span_id.hex()) for sp in ss.spans)
-    return found
 
 
 class Cluster:

@@ -184,7 +184,7 @@ def test_without_a_clear_culprit_or_when_profiles_cannot_be_read_the_alert_goes_
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("a bug in the profile read")
 
-        alerting.reader.profile_stacks = broken  # type: ignore[method-assign]
+        alerting.reader.profile_rows = broken  # type: ignore[method-assign]
         with caplog.at_level(logging.WARNING, logger="spikehound.collector.alerts"):
             observe(running, spike(2, service="postprocess"), spike(3, service="model-server"))
             hook.wait_events(3)
@@ -205,7 +205,7 @@ def test_a_profile_read_that_hangs_holds_the_alert_two_seconds_at_most(tmp_path,
             release.wait(30)
             return []
 
-        running.collector.alerting.reader.profile_stacks = hung  # type: ignore[method-assign]
+        running.collector.alerting.reader.profile_rows = hung  # type: ignore[method-assign]
         try:
             began = time.monotonic()
             observe(running, spike(1))

@@ -104,6 +104,8 @@ def test_a_database_away_is_answered_503_like_every_read():
         def profile_stacks(self, *args: Any, **kwargs: Any) -> Any:
             raise OperationalError("SELECT", {}, Exception("connection refused"))
 
+        profile_rows = profile_stacks  # the diff's streamed read
+
     async def ask() -> tuple[int, Any, str | None]:
         app = build_app(Away(), CollectorTelemetry(), None, "", None)  # type: ignore[arg-type]
         async with TestClient(TestServer(app)) as client:

@@ -407,3 +407,36 @@ def test_tcp_retransmits_from_real_proc() -> None:
     assert one(second, "system.network.tcp.retransmits").value >= one(first, "system.network.tcp.retransmits").value
     assert one(first, "system.network.tcp.retransmits").value >= 0
     assert one(second, "system.network.tcp.retransmit.ratio").value >= 0
+
+
+@pytest.mark.skipif(not LINUX or os.geteuid() != 0, reason="changing a process's uid takes root")
+def test_a_process_that_becomes_a_user_not_allowed_is_dropped_at_once() -> None:
+    """agent.profile_users: a tracked process that switches to another uid (setuid back to root) is no longer
+    tracked, so not profiled, from the next look at it, not at the next full scan a minute later."""
+    token = f"spikehound-uid-{uuid.uuid4().hex[:12]}"
+    code = ("import os, sys, time\n"
+            "os.setresuid(65534, 65534, 0)\n"
+            "print('dropped', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "os.setresuid(0, 0, 0)\n"
+            f"time.sleep(60)  # {token}")
+    # The context manager closes both pipes and reaps the child whatever happens in between.
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline() == "dropped\n"
+            sampler = CpuSampler(process_patterns=[token], rescan_interval_s=3600, users=["65534"])
+            assert sampler.start()
+            sampler.sample()
+            assert child.pid in sampler.processes
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            eventually(lambda: psutil.Process(child.pid).uids().effective == 0, "the child back to root", 30)
+            assert child.pid not in sampler.processes  # what the profiler asks for before each window
+            sampler.sample()
+            assert child.pid not in sampler.processes
+            assert not pick(sampler.sample(), "process.memory.usage")
+            assert sampler.left_out["user"] == 1
+        finally:
+            child.kill()

@@ -50,7 +50,10 @@ PR_SET_MDWE, PR_GET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 66, 1
 
 SANDBOX = r"""set -e
 mount -t proc -o "$PROC_OPTIONS" proc /proc
-for m in $(findmnt -rno TARGET | grep -v -E '^/(proc|sys|dev)(/|$)' | sort -u); do mount -o remount,bind,ro "$m"; done
+# A mount that went away since findmnt listed it (another test's container network namespace) is no error.
+for m in $(findmnt -rno TARGET | grep -v -E '^/(proc|sys|dev)(/|$)' | sort -u); do
+  mount -o remount,bind,ro "$m" 2>/dev/null || ! findmnt -rno TARGET "$m" >/dev/null || mount -o remount,bind,ro "$m"
+done
 for d in "$STATE_DIRECTORY" "$LOGS_DIRECTORY"; do mount --bind "$d" "$d"; mount -o remount,bind,rw "$d"; done
 exec setpriv --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"
 """

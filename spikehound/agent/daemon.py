@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from spikehound import __version__
 from spikehound.agent.enrich import Enricher, machine_id
-from spikehound.agent.forwarder import channel_credentials
+from spikehound.agent.forwarder import AgentChain, channel_credentials
 from spikehound.agent.intake import DropLog, Intake
 from spikehound.agent.members import Router
 from spikehound.agent.metrics_out import MetricsBridge
@@ -35,7 +36,7 @@ from spikehound.agent.services import ServiceMap
 from spikehound.agent.spool import Item, Signal, SpoolWriteError
 from spikehound.agent.telemetry import AgentMetrics, registry_for
 from spikehound.components import ComponentStack, Stage
-from spikehound.config import SECTIONS, Config
+from spikehound.config import SECTIONS, Config, ConfigError, HostPort
 from spikehound.endpoints import parse_collectors
 from spikehound.grpc_server import GrpcServer
 from spikehound.http_server import HttpServer
@@ -46,8 +47,12 @@ log = logging.getLogger("spikehound.agent")
 
 def default_samplers(cfg: Config) -> list[Sampler]:
     a = cfg.agent
-    return [NvmlSampler(), CpuSampler(process_patterns=a.process_patterns, pid_files=a.pid_files),
-            NetworkSampler(interfaces=a.interfaces)]
+    try:
+        cpu = CpuSampler(process_patterns=a.process_patterns, pid_files=a.pid_files,
+                         max_processes=a.profile_max_processes, users=a.profile_users)
+    except ValueError as exc:  # a user name this host does not know: known only here, not when the file is read
+        raise ConfigError(f"agent.profile_users: {exc}") from None
+    return [NvmlSampler(), cpu, NetworkSampler(interfaces=a.interfaces)]
 
 
 class Agent:
@@ -67,6 +72,8 @@ class Agent:
         self._failed: asyncio.Future[None] | None = None
         self._running = False  # /healthz says ok once every component started
         self._stopping = False
+        # Marks what this process forwards, so that its own receiver knows it if a member turns out to be itself.
+        self.chain = AgentChain(secrets.token_hex(8))
 
     @property
     def grpc_port(self) -> int:
@@ -94,7 +101,8 @@ class Agent:
                              credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
                                                              a.collector_key_file),
                              drop_log=drop_log, sticky_seconds=a.route_sticky_seconds,
-                             resolve_seconds=a.collector_resolve_seconds)
+                             resolve_seconds=a.collector_resolve_seconds, listens=self._listens,
+                             chain=self.chain)
         await self.router.start()
         gpu_ids = [g["hw.id"] for s in self.sampling.samplers if isinstance(s, NvmlSampler) for g in s.gpus]
         identity: dict[str, Any] = {"host.name": host, "host.id": machine_id(), "nvidia.gpu.uuids": gpu_ids}
@@ -111,7 +119,8 @@ class Agent:
         self._metrics = HttpServer(_metrics_app(registry, lambda: self._running), a.metrics_listen, "agent /metrics")
         self._http = HttpServer(http_app(self.intake, a.max_request_bytes), a.otlp_http, "OTLP/HTTP")
         self._grpc = GrpcServer("OTLP/gRPC", functools.partial(start_grpc, self.intake, a.otlp_grpc,
-                                                               a.max_request_bytes), grace_seconds=2.0)
+                                                               a.max_request_bytes, self.chain),
+                                grace_seconds=2.0)
         # Stopped in the reverse order: the receivers first; then the forwarding and sampling tasks end, the
         # forwarder sends what is queued until the drain deadline (/metrics still up meanwhile), and what is
         # left goes to the disk spool last.
@@ -128,6 +137,12 @@ class Agent:
         log.info("host %s, %d GPU(s), forwarding to %s, sampling every %.1f s", host, len(gpu_ids), a.collector,
                  a.interval)
 
+    def _listens(self) -> list[HostPort]:
+        """The agent's own OTLP listen addresses (the ports chosen, where 0 was asked for): never a member."""
+        a = self.cfg.agent
+        return [HostPort(a.otlp_grpc.host, self.grpc_port or a.otlp_grpc.port),
+                HostPort(a.otlp_http.host, self.http_port or a.otlp_http.port)]
+
     def _make_profiler(self, host: str) -> Profiler | None:
         """The profiler of the processes the CPU sampler tracks; None when profiling is off or none is tracked."""
         a = self.cfg.agent
@@ -140,7 +155,8 @@ class Agent:
                     for pid, attributes in cpu.processes.items()}
 
         return Profiler(processes, self.router, host, services=self.services, rate_hz=a.profile_rate_hz,
-                        window_seconds=a.profile_window_seconds, threads=a.profile_threads)
+                        window_seconds=a.profile_window_seconds, threads=a.profile_threads,
+                        max_processes=a.profile_max_processes)
 
     async def _start_tasks(self) -> None:
         tasks = [(self.router.run(), "forwarders"), (self._sample_forever(), "sampling")]
@@ -217,7 +233,8 @@ class Agent:
 
 
 def _metrics_app(registry: Any, running: Callable[[], bool]) -> web.Application:
-    """/metrics, and /healthz: ok once ``running`` says so (the receivers listen), 503 before."""
+    """/metrics, and /healthz and /readyz (the same answer, for probes that ask either): ok once ``running``
+    says so (the receivers listen), 503 before and while draining."""
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -230,4 +247,5 @@ def _metrics_app(registry: Any, running: Callable[[], bool]) -> web.Application:
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", healthz)
     return app

@@ -26,6 +26,12 @@ request again split by resource, scope and span; only a single span or point
 over the limit is dropped, counted and logged. When forwarding makes no
 progress for ``STALL_WARN_SECONDS`` one WARNING says why, and another every
 ``STALL_REMIND_SECONDS`` while it lasts, not one per retry.
+
+Every request carries the agent's instance id and those of the agents that forwarded to it lately
+(``INSTANCE_HEADER``, see ``AgentChain``). An agent's receiver refuses a request carrying its own id with
+FAILED_PRECONDITION and ``LOOP_TRAILER``: the member is this agent itself, reached through a name or a proxy,
+or an agent upstream of it (A -> B -> A). The forwarder then sets ``looped`` (and retries no faster than after any other
+failure) for the router to take the member out; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -69,6 +75,12 @@ MAX_SEND_BYTES = 64 << 20
 MIN_LEARNED_BYTES = 1024  # never believe a limit below this from a refusal that does not name one
 STALL_WARN_SECONDS = 30.0
 STALL_REMIND_SECONDS = 600.0
+INSTANCE_HEADER = "spikehound-agent-instance"  # gRPC metadata: the forwarding agent's random instance id
+LOOP_TRAILER = "spikehound-forward-loop"  # in the refusal of a request that came back to an agent it went through
+MAX_CHAIN = 16  # ids in INSTANCE_HEADER: a longer chain of agents is not followed further
+MAX_ID_CHARS = 64
+MAX_UPSTREAM = 256  # upstream ids remembered (the newest MAX_CHAIN - 1 are sent)
+UPSTREAM_SECONDS = 60.0
 # gRPC's own wording, from the collector's side ("SERVER: Received ...") or ours ("CLIENT: Sent ...").
 _TOO_LARGE = re.compile(r"message larger than max(?: \((\d+) vs\. (\d+)\))?", re.IGNORECASE)
 # Why forwarding failed, as an operator reads it.
@@ -76,6 +88,7 @@ REASONS = {"unavailable": "the collector is unreachable or unavailable",
            "backpressure": "the collector is pushing back (its ingest queue is full)",
            "timeout": "the collector did not answer in time",
            "unauthenticated": "the collector refuses the agent's token (agent.collector_token)",
+           "loop": "the collector is this agent itself (its own receiver refused what it forwarded)",
            "other": "the collector answered with an error"}
 
 
@@ -117,9 +130,59 @@ def size_limit(error: grpc.aio.AioRpcError) -> int | None:
     return int(found.group(2)) if found.group(2) else 0
 
 
+def is_loop(error: grpc.aio.AioRpcError) -> bool:
+    """The refusal of an agent's receiver that found its own id in the chain of a request: the member is an
+    agent the request came through (this one, or one upstream)."""
+    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    return any(key == LOOP_TRAILER for key, _ in error.trailing_metadata() or ())
+
+
+class AgentChain:
+    """This agent's instance id and those of the agents that forwarded to it lately: what ``INSTANCE_HEADER``
+    carries on every forwarded request (comma-separated, this agent first, at most MAX_CHAIN ids).
+
+    A receiver that finds its own id there refuses the request: it came back (A -> A through a proxy, or
+    A -> B -> A). Ids are remembered for UPSTREAM_SECONDS after they were last seen.
+
+    >>> a, b = AgentChain("aa"), AgentChain("bb")
+    >>> b.note(a.header()), a.note(b.header())
+    (False, True)
+    """
+
+    def __init__(self, instance: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.instance = instance
+        self._clock = clock
+        self._upstream: dict[str, float] = {}  # id -> last seen, oldest first
+
+    def header(self) -> str:
+        now = self._clock()
+        for key in [k for k, seen in self._upstream.items() if now - seen > UPSTREAM_SECONDS]:
+            del self._upstream[key]
+        newest = list(self._upstream)[-(MAX_CHAIN - 1):]
+        return ",".join([self.instance, *reversed(newest)])
+
+    def note(self, value: str) -> bool:
+        """A request's chain: True when it holds this agent's id (refuse it); else its ids are remembered."""
+        ids = [part.strip() for part in value.split(",")[:MAX_CHAIN]]
+        if self.instance in ids:
+            return True
+        now = self._clock()
+        for key in ids:
+            if key and len(key) <= MAX_ID_CHARS:
+                self._upstream.pop(key, None)
+                self._upstream[key] = now
+        while len(self._upstream) > MAX_UPSTREAM:
+            del self._upstream[next(iter(self._upstream))]
+        return False
+
+
 def failure_reason(error: grpc.aio.AioRpcError) -> str:
     """The ``REASONS`` key of a retryable failure."""
     code = error.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION and any(
+            key == LOOP_TRAILER for key, _ in error.trailing_metadata() or ()):
+        return "loop"
     if code == grpc.StatusCode.UNAVAILABLE:
         return "unavailable"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -153,9 +216,10 @@ class Forwarder:
                  on_change: Callable[[], None] | None = None, *, clock: Callable[[], float] = time.monotonic,
                  backoff_start: float = BACKOFF_START, backoff_max: float = BACKOFF_MAX,
                  drop_log: DropLog | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, chain: AgentChain | None = None) -> None:
         """``credentials`` secure an https:// ``collector_url`` (default: gRPC's public CAs, no client certificate);
-        ``rng`` draws the backoff's jitter."""
+        ``rng`` draws the backoff's jitter; ``chain`` (the agent's id, and its upstream agents') goes with every
+        request."""
         self.queue = queue
         self.target, tls = parse_target(collector_url)
         credentials = (credentials or grpc.ssl_channel_credentials()) if tls else None
@@ -168,7 +232,9 @@ class Forwarder:
         self._calls = {signal: self.channel.unary_unary(method, request_serializer=None,
                                                         response_deserializer=None)
                        for signal, method in _METHODS.items()}
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._auth = [("authorization", f"Bearer {token}")] if token else []
+        self.chain = chain
+        self.looped = False  # this agent's own receiver refused a request: the collector is this agent
         self.stats = ForwardStats()
         self._on_change = on_change or (lambda: None)
         self._clock = clock
@@ -221,7 +287,7 @@ class Forwarder:
         return any(outcome is True for outcome in outcomes)
 
     async def _call(self, signal: Signal, payload: bytes, timeout: float) -> None:
-        await self._calls[signal](payload, timeout=timeout, metadata=self._metadata)
+        await self._calls[signal](payload, timeout=timeout, metadata=self._metadata())
 
     async def _send(self, batch: list[Item], timeout: float) -> bool | grpc.aio.AioRpcError:
         """One merged request: True when it left the queue, the error when it must be retried."""
@@ -334,6 +400,11 @@ class Forwarder:
                 self._went_through()
                 return True
 
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        if self.chain is None:
+            return tuple(self._auth) or None
+        return (*self._auth, (INSTANCE_HEADER, self.chain.header()))
+
     def _refused_as_too_large(self, exc: grpc.aio.AioRpcError, sent: int) -> bool:
         """True for a "larger than max" refusal, after lowering the limit below ``sent`` where it can."""
         named = size_limit(exc)
@@ -352,6 +423,8 @@ class Forwarder:
         self.stats.retries += 1
         exc = failures[0]
         reason = failure_reason(exc)
+        if self.chain is not None and any(is_loop(failure) for failure in failures):
+            self.looped = True
         for failure in failures:
             self.stats.failures[failure_reason(failure)] += 1
         if self.stats.connected:

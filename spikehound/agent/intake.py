@@ -338,6 +338,7 @@ class Intake:
         self.invalid_requests: Counter[str] = Counter()  # protocol -> requests that could not be read
         self.split_requests: Counter[Signal] = Counter()  # requests cut to fit the collector's limit
         self.too_large: Counter[Signal] = Counter()  # items dropped: alone larger than the collector's limit
+        self.forward_loops = 0  # requests refused: this agent's own forwarder sent them (see otlp_grpc)
 
     def accept(self, signal: Signal, payload: bytes, protocol: str, json: bool = False,
                peer: Hashable | None = None) -> Accepted:

@@ -10,7 +10,14 @@ A member that is away has its share spooled, never sent elsewhere; the others ke
 leaves the membership keeps its queue forwarded to it until it is empty; when it has not answered for
 ``REROUTE_AFTER_SECONDS`` since it left, what it still holds is routed over the current members by trace
 (counted), so nothing acknowledged is lost. Spool directories of earlier members found at start are
-handled the same way.
+handled the same way. The spool directory of a member gone for good is removed once it holds nothing (when
+it is forgotten, or when the agent stops).
+
+The agent never forwards to itself: a member that is one of its own OTLP listen addresses is left out of
+the membership (one WARNING while it is listed, counted), and every forwarded request carries the agent's
+random instance id, so that one that comes back to its own receiver through a name or a proxy is refused
+there (FAILED_PRECONDITION, marked); the forwarder then leaves that member out the same way and what it held
+is routed over the other members.
 
 With one fixed endpoint (``agent.collector = "host:port"``) the spool is the spool directory itself, as it
 always was, so an upgraded agent replays an old spool; members of a list, a DNS name or a file each get
@@ -26,17 +33,26 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import grpc
 
 from spikehound.agent.forward_queue import COLLECTOR_MAX_REQUEST_BYTES, ForwardQueue
-from spikehound.agent.forwarder import Forwarder, ForwardStats
+from spikehound.agent.forwarder import AgentChain, Forwarder, ForwardStats
 from spikehound.agent.intake import DropLog, partition_request
-from spikehound.agent.routing import MembershipError, Rendezvous, StickyMap, resolve, safe_name
+from spikehound.agent.routing import (
+    MAX_MEMBERS,
+    MembershipError,
+    Rendezvous,
+    StickyMap,
+    own_members,
+    resolve,
+    safe_name,
+)
 from spikehound.agent.spool import DiskSpool, Item, Signal, SpoolBudget, SpoolWriteError
+from spikehound.config import HostPort
 from spikehound.endpoints import CollectorSource, Endpoint, parse_endpoint
 from spikehound.protowire import WireError
 
@@ -49,6 +65,10 @@ TEND_SECONDS = 1.0  # departed members and the membership are looked at this oft
 REROUTE_BATCH = 256  # requests moved off a departed member per tend, so the event loop is not held long
 EMPTY_RETRY_SECONDS = 2.0  # with no member at all (the first lookup failed), look again this often
 RESOLVE_TIMEOUT_SECONDS = 10.0  # a DNS lookup or file read that takes longer counts as failed
+MAX_HELD_MEMBERS = 2 * MAX_MEMBERS  # active and departed together: each costs a channel, a task and a spool
+MAX_HUNG_LOOKUPS = 4  # abandoned lookup threads still running; while this many hang, no other is started
+
+Lookup = tuple[list[Endpoint], list[Endpoint]]  # (members named, those of them that are this agent itself)
 
 
 @dataclass(eq=False)
@@ -76,7 +96,11 @@ class Router:
     def __init__(self, source: CollectorSource, spool_dir: Path, *, host: str, memory_bytes: int,
                  spool_max_bytes: int, token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  drop_log: DropLog | None = None, sticky_seconds: float = 60.0, resolve_seconds: float = 30.0,
-                 reroute_after: float = REROUTE_AFTER_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+                 reroute_after: float = REROUTE_AFTER_SECONDS, clock: Callable[[], float] = time.monotonic,
+                 listens: Callable[[], Sequence[HostPort]] = tuple, chain: AgentChain | None = None) -> None:
+        """``listens`` gives the agent's own OTLP listen addresses (never members); ``chain`` (the agent's id and
+        those of the agents forwarding to it) marks what the forwarders send, so that an agent's receiver knows
+        requests that come back to it."""
         self.source = source
         self.spool_dir = spool_dir
         self.host = host.encode()
@@ -87,6 +111,8 @@ class Router:
         self.drop_log = drop_log or DropLog()
         self.resolve_seconds = resolve_seconds
         self.reroute_after = reroute_after
+        self.listens = listens
+        self.chain = chain
         self._clock = clock
         # A fixed list never changes: nothing to keep traces across, so no map to fill.
         self.sticky = StickyMap(sticky_seconds if source.kind != "static" else 0, clock=clock)
@@ -96,13 +122,20 @@ class Router:
         self._running = False
         self._resolve_failing = False
         self._next_resolve = 0.0
-        self._resolving: asyncio.Future[list[Endpoint]] | None = None  # the lookup in flight
+        self._hung: list[threading.Thread] = []  # lookups abandoned past their deadline, maybe still running
+        self._own: set[str] = set()  # members left out as this agent's own listen address, at the last lookup
+        self._looped: set[str] = set()  # members left out because what was forwarded there came back
+        self._answered = False  # a lookup has answered (a fixed list is looked at again until one has)
         # Counters of members that are gone (so totals never go down) and of routing itself.
         self.retired = ForwardStats()
         self.retired_spool: Counter[str] = Counter()
         self.membership_changes = 0
         self.resolve_failures = 0
+        self.abandoned_lookups = 0
+        self.self_members: Counter[str] = Counter()  # reason (address, loop) -> members left out as this agent
         self.rerouted_requests = 0
+        self.retired_early = 0  # departed members forgotten before their time: too many members held
+        self._trimming = False  # over MAX_HELD_MEMBERS: said once per episode
         self.tend_errors = 0  # failures (bugs) of the membership upkeep, logged once
         self.refused: Counter[str] = Counter()  # member -> requests pushed back for want of its room
 
@@ -112,14 +145,16 @@ class Router:
         """Open the spools (current members and earlier ones found on disk) and learn the first membership."""
         endpoints: list[Endpoint] = []
         try:
-            endpoints = await self._resolve()
+            endpoints = self._leave_out_self(await self._resolve())
+            self._answered = True
         except MembershipError as exc:
             self._resolve_failed(str(exc))
-        if not endpoints and not self.source.single:
+        if not endpoints and not self.source.single and not self._own:
             log.warning("no collector to forward to yet (%s); local senders are pushed back until there is one",
                         self._describe())
         for endpoint in endpoints:
-            self._add(endpoint.key, at_start=True)
+            if self._add(endpoint.key, at_start=True):
+                self._active.append(endpoint.key)
         self._set_ring()
         self._adopt_leftovers()
         self._next_resolve = self._clock() + self._resolve_wait()
@@ -143,13 +178,14 @@ class Router:
 
     def _connect(self, member: Member) -> None:
         member.forwarder = Forwarder(member.queue, member.key, self.token, drop_log=self.drop_log,
-                                     credentials=self.credentials, clock=self._clock)
+                                     credentials=self.credentials, clock=self._clock, chain=self.chain)
         if self._running:
             self._start_task(member)
 
     def _add(self, key: str, at_start: bool = False) -> bool:
-        """Make ``key`` an active member (reviving a departed one); False when its spool cannot be opened
-        (raised at start, where an unusable spool directory stops the agent as it always did)."""
+        """Open ``key``'s queue, spool and forwarder (or revive it, departed), for the caller to make it active;
+        False when its spool cannot be opened (raised at start, where an unusable spool directory stops the
+        agent as it always did)."""
         member = self.members.get(key)
         if member is not None:  # came back before it was drained
             member.removed_at = None
@@ -157,12 +193,16 @@ class Router:
                 self._connect(member)
         else:
             directory = self._directory(key)
+            existed = True
             try:
+                existed = directory.exists()
                 member = self._open(key, directory, forward=True)
                 _write_endpoint(directory, key)
             except OSError as exc:
                 if at_start:
                     raise
+                if not existed:  # made for nothing: no member, no spool, no directory
+                    shutil.rmtree(directory, ignore_errors=True)
                 log.error("cannot open the spool of collector %s in %s (%s); it is left out of the membership "
                           "until the next lookup", key, directory, exc)
                 return False
@@ -170,7 +210,6 @@ class Router:
             if len(member.queue.spool):
                 log.info("collector %s: %d requests (%d bytes) spooled on disk from an earlier run; forwarding "
                          "them first", key, len(member.queue.spool), member.queue.spool.bytes_used)
-        self._active.append(key)
         return True
 
     def _adopt_leftovers(self) -> None:
@@ -283,8 +322,11 @@ class Router:
             return
         now = self._clock()
         removed = [key for key in self._active if key not in keys]
-        self._active = [key for key in self._active if key in keys]
-        added = [key for key in keys if key not in self._active and self._add(key)]
+        kept = [key for key in self._active if key in keys]
+        # The new state is worked out first and set at once: a member that cannot be opened is left out (said
+        # by _add), never left half applied with the ring of the old membership.
+        added = [key for key in keys if key not in kept and self._add(key)]
+        self._active = kept + added
         for key in removed:
             self.members[key].removed_at = now
         if not added and not removed:
@@ -293,6 +335,34 @@ class Router:
         self.membership_changes += 1
         log.info("collector membership changed: added %s, removed %s; %d members", added or "none",
                  removed or "none", len(self._active))
+
+    async def _trim(self, room: int = 0) -> None:
+        """Hold at most MAX_HELD_MEMBERS members: past that, departed ones go first, oldest first, before their
+        time. One that still holds requests loses its channel and forwarder and has them routed over the current
+        members (what does not fit yet stays in its queue and spool, moved by ``tend``): nothing is dropped.
+        ``room``: members about to be added, made room for first."""
+        cap = max(MAX_HELD_MEMBERS - room, 0)
+        if len(self.members) <= cap:
+            if len(self.members) <= MAX_HELD_MEMBERS // 2:  # the episode is over once half the cap is free
+                self._trimming = False
+            return
+        if not self._trimming:
+            self._trimming = True
+            log.warning("the collector membership changes faster than departed members are forgotten (%d held, at "
+                        "most %d): the oldest departed ones are forgotten early, what they hold goes to the current "
+                        "members", len(self.members), MAX_HELD_MEMBERS)
+        departed = sorted((m for m in self.members.values() if m.removed_at is not None and not m.root),
+                          key=lambda m: m.removed_at or 0.0)
+        for member in departed:
+            if len(self.members) <= cap:
+                break
+            if len(member.queue):
+                await self._disconnect(member)
+                self._reroute(member)
+                if len(member.queue):
+                    continue
+            await self._retire(member, quiet=True)
+            self.retired_early += 1
 
     def _resolve_failed(self, why: str) -> None:
         self.resolve_failures += 1
@@ -308,37 +378,71 @@ class Router:
     async def refresh(self) -> None:
         """Look the membership up again (DNS or the file, in a thread) and apply it."""
         try:
-            endpoints = await self._resolve()
+            lookup = await self._resolve()
         except MembershipError as exc:
             self._resolve_failed(str(exc))
             return
-        self.apply(endpoints)
+        self._answered = True
+        endpoints = self._leave_out_self(lookup)
+        if endpoints or not lookup[0]:
+            await self._trim(room=len({e.key for e in endpoints} - set(self.members)))
+            self.apply(endpoints)
+            await self._trim()
+        else:  # it names this agent alone: said once by _leave_out_self; the last good membership stands
+            self.resolve_failures += 1
 
-    async def _resolve(self) -> list[Endpoint]:
-        """``resolve`` on a daemon thread of its own, waited for at most RESOLVE_TIMEOUT_SECONDS: a lookup that
-        hangs (a dead DNS server, a hung network file system) must hold neither the membership's upkeep nor
-        the agent's exit. While one hangs, no other is started."""
-        if self._resolving is not None and not self._resolving.done():
-            raise MembershipError(f"the last lookup of {self._describe()} has not answered yet")
+    def _leave_out_self(self, lookup: Lookup) -> list[Endpoint]:
+        """The members of ``lookup`` that are not this agent itself; a WARNING for each one that is, once while
+        it is listed."""
+        endpoints, own = lookup
+        listed = {e.key for e in endpoints}
+        self._looped &= listed  # a loop no longer listed is forgotten: listed again, it is tried again
+        own_keys = {e.key for e in own} - self._looped
+        for key in sorted(own_keys - self._own):
+            self.self_members["address"] += 1
+            log.warning("collector %s is left out of the membership: it is this agent's own OTLP listen address "
+                        "(%s), and forwarding there would send everything back to this agent for ever",
+                        key, ", ".join(str(listen) for listen in self.listens()))
+        self._own = own_keys
+        return [e for e in endpoints if e.key not in own_keys and e.key not in self._looped]
+
+    async def _resolve(self) -> Lookup:
+        """``resolve`` on a daemon thread of its own, waited for at most RESOLVE_TIMEOUT_SECONDS: a lookup that hangs
+        (a dead DNS server, a hung network file system) must hold neither the membership's upkeep nor the
+        agent's exit. One that does not answer in time is abandoned (counted): the next interval starts a fresh
+        one. Abandoned threads that still hang are capped (MAX_HUNG_LOOKUPS): past that none is started until
+        one of them ends, so a source that never answers cannot pile threads up."""
+        self._hung = [thread for thread in self._hung if thread.is_alive()]
+        if len(self._hung) >= MAX_HUNG_LOOKUPS:
+            raise MembershipError(f"{len(self._hung)} lookups of {self._describe()} have not answered; no other "
+                                  "is started until one of them does")
         loop = asyncio.get_running_loop()
-        answer: asyncio.Future[list[Endpoint]] = loop.create_future()
-        self._resolving = answer
+        answer: asyncio.Future[Lookup] = loop.create_future()
+        source, listens = self.source, list(self.listens())
 
         def lookup() -> None:
-            found: list[Endpoint] | None = None
+            found: Lookup | None = None
             error: Exception | None = None
             try:
-                found = resolve(self.source)
+                endpoints = resolve(source)
+                # A fixed list is not looked up in DNS: a slow answer must not cost the agent its collectors at
+                # start. A name there that is this host is caught by the instance id instead.
+                found = (endpoints, own_members(endpoints, listens, look_up=source.kind != "static"))
             except Exception as exc:  # handed to the waiting coroutine
                 error = exc
             with contextlib.suppress(RuntimeError):  # the agent has stopped meanwhile: nobody waits
                 loop.call_soon_threadsafe(_settle, answer, found, error)
 
-        threading.Thread(target=lookup, name="collector-membership", daemon=True).start()
+        thread = threading.Thread(target=lookup, name="collector-membership", daemon=True)
+        thread.start()
         try:
             return await asyncio.wait_for(asyncio.shield(answer), RESOLVE_TIMEOUT_SECONDS)
         except TimeoutError:
-            raise MembershipError(f"{self._describe()} gave no answer within {RESOLVE_TIMEOUT_SECONDS:g} s") from None
+            answer.cancel()  # a late answer is dropped
+            self._hung.append(thread)
+            self.abandoned_lookups += 1
+            raise MembershipError(f"{self._describe()} gave no answer within {RESOLVE_TIMEOUT_SECONDS:g} s; "
+                                  "the lookup is abandoned") from None
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -360,7 +464,7 @@ class Router:
                     if task is not None and task.done() and not task.cancelled():  # a bug: fail the agent
                         raise task.exception() or RuntimeError(f"forwarder to {member.key} ended")
                 try:
-                    if self.source.kind != "static" and self._clock() >= self._next_resolve:
+                    if (self.source.kind != "static" or not self._answered) and self._clock() >= self._next_resolve:
                         await self.refresh()
                         self._next_resolve = self._clock() + self._resolve_wait()
                     await self.tend()
@@ -380,7 +484,10 @@ class Router:
             member.task = None
 
     async def tend(self) -> None:
-        """Close departed members that are empty; reroute what those silent too long still hold."""
+        """Leave out members found to be this agent; close departed members that are empty; reroute what those
+        silent too long (or left out) still hold."""
+        for member in [m for m in self.members.values() if m.forwarder is not None and m.forwarder.looped]:
+            await self._leave_out_loop(member)
         now = self._clock()
         for member in [m for m in self.members.values() if m.removed_at is not None]:
             forwarder, gone_for = member.forwarder, now - member.removed_at
@@ -400,6 +507,25 @@ class Router:
             self._reroute(member)
             if not len(member.queue):
                 await self._retire(member)
+        await self._trim()
+
+    async def _leave_out_loop(self, member: Member) -> None:
+        """``member`` is this agent: what was forwarded there came back to its own receiver. It leaves the
+        membership while it is listed, and what it holds goes to the other members (no wait: it never answers)."""
+        key = member.key
+        self.self_members["loop"] += 1
+        self._looped.add(key)
+        if key in self._active:
+            self._active.remove(key)
+            self._set_ring()
+            self.membership_changes += 1
+        if member.removed_at is None:
+            member.removed_at = self._clock()
+        log.warning("collector %s is this agent itself or leads back to it: what was forwarded there came back to "
+                    "an agent it had gone through (this one, through a name or a proxy, or one that forwards to "
+                    "this one); it is left out of the membership while it is listed, and the %d "
+                    "requests it holds go to the other members (%d)", key, len(member.queue), len(self._active))
+        await self._disconnect(member)
 
     def _reroute(self, member: Member) -> None:
         """Move up to REROUTE_BATCH of ``member``'s requests to their owners among the current members."""
@@ -423,7 +549,7 @@ class Router:
             await member.forwarder.close()
             member.forwarder = None
 
-    async def _retire(self, member: Member) -> None:
+    async def _retire(self, member: Member, quiet: bool = False) -> None:
         """``member`` left and holds nothing: forget it, its spool directory too."""
         await self._disconnect(member)
         spool = member.queue.spool
@@ -434,7 +560,8 @@ class Router:
         del self.members[member.key]
         if not member.root:
             shutil.rmtree(member.directory, ignore_errors=True)
-        log.info("collector %s: nothing left to forward to it; forgotten", member.key)
+        if not quiet:  # early retirements are counted and said once per episode by _trim
+            log.info("collector %s: nothing left to forward to it; forgotten", member.key)
 
     def _retire_stats(self, stats: ForwardStats) -> None:
         for f in fields(ForwardStats):
@@ -459,17 +586,19 @@ class Router:
         await asyncio.gather(*(one(m.forwarder, m.queue) for m in self.members.values() if m.forwarder is not None))
 
     async def close_forwarders(self) -> None:
-        for member in self.members.values():
-            if member.forwarder is not None:
-                await member.forwarder.close()
+        await asyncio.gather(*(m.forwarder.close() for m in self.members.values() if m.forwarder is not None))
 
     def spill_memory(self) -> int:
         """Every member's unsent memory to the head of its spool; how many requests did not fit."""
         return sum(member.queue.spill_memory() for member in self.members.values())
 
     def close(self) -> None:
+        """Close every spool; those of departed members that hold nothing go, directory and all."""
         for member in self.members.values():
+            empty = not len(member.queue)
             member.queue.close()
+            if empty and member.removed_at is not None and not member.root:
+                shutil.rmtree(member.directory, ignore_errors=True)
 
     # --- totals, for /metrics -----------------------------------------------------------------------
 
@@ -537,10 +666,10 @@ def _read_endpoint(directory: Path) -> str | None:
         return None
 
 
-def _settle(future: asyncio.Future[list[Endpoint]], found: list[Endpoint] | None, exc: Exception | None) -> None:
-    if future.done():
+def _settle(future: asyncio.Future[Lookup], found: Lookup | None, exc: Exception | None) -> None:
+    if future.done():  # abandoned past its deadline
         return
     if exc is not None:
         future.set_exception(exc)
     else:
-        future.set_result(found or [])
+        future.set_result(found or ([], []))

@@ -4,7 +4,10 @@ Requests arrive as raw bytes (no generated stubs on the hot path): they are
 enriched and queued, and the answer is an Export response, empty unless
 ``partial_success`` reports spans or points too large to forward. A full
 queue answers RESOURCE_EXHAUSTED, a disk that refuses the spool UNAVAILABLE,
-both with a ``RetryInfo``.
+both with a ``RetryInfo``. A request whose chain of agent ids holds this agent's own came back to it (a
+member that is this agent through a name or a proxy, or an agent forwarding to this one): it is refused with
+FAILED_PRECONDITION and ``LOOP_TRAILER``, which tells that forwarder to leave the member out (counted, never
+queued again).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.rpc import code_pb2
 
+from spikehound.agent.forwarder import INSTANCE_HEADER, LOOP_TRAILER, AgentChain
 from spikehound.agent.intake import Intake, QueueFull, QueueUnavailable
 from spikehound.agent.spool import Signal
 from spikehound.config import HostPort
@@ -32,8 +36,18 @@ RETRY_AFTER_SECONDS = 1
 RECEIVE_WINDOW_BYTES = 4 << 20
 
 
-def _export(intake: Intake, signal: Signal) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+LOOP_MESSAGE = ("forwarding loop: this request already went through this agent (agent.collector names this "
+                "agent through a name or a proxy, or an agent that forwards to this one)")
+
+
+def _export(intake: Intake, signal: Signal,
+            chain: AgentChain | None) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
     async def export(payload: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if chain is not None and any(key == INSTANCE_HEADER and isinstance(value, str) and chain.note(value)
+                                     for key, value in context.invocation_metadata() or ()):
+            intake.forward_loops += 1
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, LOOP_MESSAGE,
+                                trailing_metadata=((LOOP_TRAILER, chain.instance),))
         try:
             accepted = intake.accept(signal, payload, "grpc", peer=context.peer())
         except PayloadError as exc:
@@ -50,13 +64,16 @@ def _export(intake: Intake, signal: Signal) -> Callable[[bytes, grpc.aio.Service
     return export
 
 
-async def start_grpc(intake: Intake, listen: HostPort, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc(intake: Intake, listen: HostPort, max_message_bytes: int,
+                     chain: AgentChain | None = None) -> tuple[grpc.aio.Server, int]:
+    """The receiver on ``listen``; ``chain``: the agent's id (a request that carries it is refused) and the
+    upstream agents it learns from what it receives."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0),
                                       ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES)])
     server.add_generic_rpc_handlers([
         grpc.method_handlers_generic_handler(service, {"Export": grpc.unary_unary_rpc_method_handler(
-            _export(intake, signal), request_deserializer=None, response_serializer=None)})
+            _export(intake, signal, chain), request_deserializer=None, response_serializer=None)})
         for signal, service in _SERVICES.items()])
     try:
         port = server.add_insecure_port(str(listen))

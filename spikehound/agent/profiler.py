@@ -27,7 +27,14 @@ Failures keep the agent running, and are counted by reason:
   output that cannot be read or stacks that cannot be encoded among them: each process's run is parsed and
   encoded on its own account, so one process's odd output never costs the others their window;
 * ``queue_full``: the forward queue and spool had no room (the window is lost), ``too_large``: stacks that
-  alone exceed the collector's request limit.
+  alone exceed the collector's request limit;
+* ``max_processes``: more processes than ``max_processes`` (``agent.profile_max_processes``) were handed to a
+  window: the first ones, in the order given (the CPU sampler's: PID files first, then the longest-running), are
+  recorded, each one left out is counted, and a WARNING is logged once each time it starts happening.
+
+At most ``max_processes`` py-spy children run at once, whatever the processes matched: each costs about 5 MB and
+a ptrace attachment, and any local user can start a process that ``agent.process_patterns`` matches. The CPU
+sampler applies the same cap, and the owner filter (``agent.profile_users``), before the processes reach here.
 
 Without py-spy (next to the Python running the agent, or on ``PATH``) the agent logs one warning and sends
 no profiles. Children are killed when the agent stops; one orphaned by a killed agent ends with its window.
@@ -70,7 +77,8 @@ OTHER_STACKS: Frame = ("(other stacks)", "", 0)
 RETRY_SECONDS = 600.0  # a process py-spy may not or cannot attach to is tried again this rarely
 GRACE_SECONDS = 15.0  # py-spy may take this much longer than its window (attaching, writing) before it is killed
 THREAD_FLAGS = {"gil": ["--gil"], "cpu": [], "wall": ["--idle"]}  # agent.profile_threads -> py-spy's flags
-FAILURES = ("gone", "permission", "not_python", "timeout", "error", "queue_full", "too_large")
+FAILURES = ("gone", "permission", "not_python", "timeout", "error", "queue_full", "too_large", "max_processes")
+DEFAULT_MAX_PROCESSES = 32  # py-spy children at once (agent.profile_max_processes)
 PTRACE_HELP = ("give the agent CAP_SYS_PTRACE (AmbientCapabilities=CAP_SYS_PTRACE in spikehound-agent.service, "
                "see the comment there) or allow ptrace of processes that are not the agent's children "
                "(sysctl kernel.yama.ptrace_scope=0)")
@@ -215,7 +223,7 @@ class Profiler:
                  services: ServiceMap | None = None, rate_hz: int = DEFAULT_RATE_HZ,
                  window_seconds: float = DEFAULT_WINDOW_SECONDS, threads: str = "gil", py_spy: str | None = None,
                  max_stacks: int = MAX_STACKS, retry_seconds: float = RETRY_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_processes: int = DEFAULT_MAX_PROCESSES, clock: Callable[[], float] = time.monotonic) -> None:
         self.processes = processes
         self.queue = queue
         self.host = host
@@ -227,6 +235,8 @@ class Profiler:
         self.py_spy = py_spy if py_spy is not None else find_py_spy()
         self.max_stacks = max_stacks
         self.retry_seconds = retry_seconds
+        self.max_processes = max(1, max_processes)
+        self._over_cap = False  # in an episode of more processes than max_processes (warned once per episode)
         self._clock = clock
         self.stats = ProfilerStats()
         self._children: set[asyncio.subprocess.Process] = set()
@@ -244,7 +254,7 @@ class Profiler:
         if not self.available:
             return 0
         now = self._clock()
-        return sum(1 for pid in self.processes() if self._skip_until.get(pid, 0.0) <= now)
+        return min(self.max_processes, sum(1 for pid in self.processes() if self._skip_until.get(pid, 0.0) <= now))
 
     @property
     def children_cpu_seconds(self) -> float:
@@ -277,7 +287,7 @@ class Profiler:
             await self.services.refresh()
         now = self._clock()
         self._skip_until = {pid: t for pid, t in self._skip_until.items() if t > now}
-        targets = {pid: name for pid, name in self.processes().items() if pid not in self._skip_until}
+        targets = self._capped({pid: name for pid, name in self.processes().items() if pid not in self._skip_until})
         if not targets or not self.py_spy:
             return []
         runs = [run for run in await asyncio.gather(*(self._start(pid, name) for pid, name in targets.items()))
@@ -293,6 +303,23 @@ class Profiler:
             else:
                 stacks.extend(result)
         return self._queue(stacks) if stacks else []
+
+    def _capped(self, targets: dict[int, str]) -> dict[int, str]:
+        """The first ``max_processes`` targets, in the order given; the rest counted, warned once an episode."""
+        over = len(targets) - self.max_processes
+        if over <= 0:
+            if self._over_cap:
+                log.info("profiling: %d processes, within agent.profile_max_processes (%d) again", len(targets),
+                         self.max_processes)
+            self._over_cap = False
+            return targets
+        self.stats.failures["max_processes"] += over
+        if not self._over_cap:
+            log.warning("profiling: %d processes to profile, more than agent.profile_max_processes (%d): "
+                        "recording the first %d, leaving %d out of each window while this lasts", len(targets),
+                        self.max_processes, self.max_processes, over)
+        self._over_cap = True
+        return dict(list(targets.items())[:self.max_processes])
 
     async def _start(self, pid: int, name: str) -> _Run | None:
         assert self.py_spy is not None

@@ -17,6 +17,7 @@ from spikehound.agent.intake import Intake
 from spikehound.agent.members import Router
 from spikehound.agent.metrics_out import MetricsBridge
 from spikehound.agent.profiler import FAILURES, Profiler
+from spikehound.agent.samplers.cpu import LEFT_OUT_REASONS, CpuSampler
 from spikehound.agent.sampling import SamplingLoop
 from spikehound.agent.spool import Signal
 
@@ -119,7 +120,22 @@ class AgentMetrics(Collector):
             timeouts.add_metric([name], health.timeouts)
             seconds.add_metric([name], health.total_seconds)
         yield from (runs, errors, timeouts, seconds)
+        yield from self._left_out()
         yield from self._profiler()
+
+    def _left_out(self) -> Iterator[Metric]:
+        cpu = next((s for s in self.sampling.samplers if isinstance(s, CpuSampler)), None)
+        total = CounterMetricFamily("spikehound_agent_processes_left_out", "Processes matching agent.process_"
+                                    "patterns or agent.pid_files that were not sampled or profiled, each counted "
+                                    "once: max_processes (over agent.profile_max_processes), user (owner not in "
+                                    "agent.profile_users).", labels=["reason"])
+        now = GaugeMetricFamily("spikehound_agent_processes_left_out_now", "Matching processes left out at the "
+                                "last process scan, by reason (as spikehound_agent_processes_left_out_total).",
+                                labels=["reason"])
+        for reason in LEFT_OUT_REASONS:
+            total.add_metric([reason], cpu.left_out[reason] if cpu is not None else 0)
+            now.add_metric([reason], cpu.left_out_now(reason) if cpu is not None else 0)
+        yield from (total, now)
 
     def _members(self) -> Iterator[Metric]:
         r = self.router
@@ -150,6 +166,25 @@ class AgentMetrics(Collector):
         yield CounterMetricFamily("spikehound_agent_membership_resolve_failures", "Lookups of the membership that "
                                   "failed or named no collector; the last good membership stood.",
                                   value=r.resolve_failures)
+        yield CounterMetricFamily("spikehound_agent_membership_abandoned_lookups", "Lookups of the membership "
+                                  "that gave no answer within 10 s and were abandoned (a hung DNS server or file "
+                                  "system); the next interval starts a fresh one.", value=r.abandoned_lookups)
+        own = CounterMetricFamily("spikehound_agent_self_members", "Collectors left out of the membership because "
+                                  "they are this agent itself, once per episode: address (one of its own OTLP "
+                                  "listen addresses), loop (its own receiver got back what it forwarded there, "
+                                  "through a name or a proxy).", labels=["reason"])
+        for reason in ("address", "loop"):
+            own.add_metric([reason], r.self_members[reason])
+        yield own
+        yield CounterMetricFamily("spikehound_agent_forward_loops", "Requests the agent's OTLP/gRPC receiver "
+                                  "refused because they had already gone through this agent (its id in their "
+                                  "chain of agent ids: its own forwarder, or an agent forwarding to it sent them "
+                                  "back; FAILED_PRECONDITION, the sender then leaves that member out).",
+                                  value=self.intake.forward_loops)
+        yield CounterMetricFamily("spikehound_agent_members_retired_early", "Departed collectors forgotten before "
+                                  "their time because the agent held more than 512 members (the membership "
+                                  "changing faster than they drain); what they held was routed over the current "
+                                  "members.", value=r.retired_early)
         yield GaugeMetricFamily("spikehound_agent_route_sticky_traces", "Traces the sticky map keeps on their "
                                 "collector across a membership change.", value=len(r.sticky))
         yield CounterMetricFamily("spikehound_agent_route_sticky_evictions", "Traces forgotten by the sticky map "
@@ -177,7 +212,9 @@ class AgentMetrics(Collector):
         failures = CounterMetricFamily("spikehound_agent_profile_failures", "py-spy runs or windows that gave no "
                                        "profile, by reason: gone (the process exited), permission (ptrace not "
                                        "permitted: see the agent's log), not_python, timeout, error; queue_full "
-                                       "(windows lost: queue and spool full), too_large (stacks dropped).",
+                                       "(windows lost: queue and spool full), too_large (stacks dropped), "
+                                       "max_processes (processes left out of a window: over "
+                                       "agent.profile_max_processes).",
                                        labels=["reason"])
         for reason in FAILURES:
             failures.add_metric([reason], stats.failures[reason] if stats else 0)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from spikehound.collector.alerts.alerting import Alerting, public_url
 from spikehound.collector.cluster.leader import DetectionLeader
@@ -42,7 +43,7 @@ from spikehound.config import Config, check_otlp_exposure, redact_url
 from spikehound.grpc_server import GrpcServer
 from spikehound.http_server import HttpServer
 from spikehound.live_config import ALERT_KEYS, COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
-from spikehound.storage.engine import make_engine
+from spikehound.storage.engine import make_engine, unavailable
 from spikehound.storage.migrate import upgrade
 from spikehound.storage.reader import Reader
 from spikehound.storage.retention import Retention
@@ -183,7 +184,10 @@ class Collector:
         )
 
     async def _open_storage(self) -> None:
-        revision = await asyncio.get_running_loop().run_in_executor(None, upgrade, self.engine)
+        try:
+            revision = await asyncio.get_running_loop().run_in_executor(None, upgrade, self.engine)
+        except (OperationalError, OSError) as exc:  # the first connection: the server is down, or the file unusable
+            raise unavailable(exc, self.cfg.database_url) from None
         log.info("schema at revision %s", revision)
 
     async def _close_storage(self) -> None:

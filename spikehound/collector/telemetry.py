@@ -40,6 +40,15 @@ class CollectorTelemetry:
                                    "not the collector's, as in DNS rebinding), cross_origin (sent by another "
                                    "site's page), media_type (a body that is not JSON), too_large, "
                                    "unauthenticated.", ["reason"], registry=r)
+        self.profile_diffs_refused = Counter("spikehound_profile_diffs_refused",
+                                             "Profile diffs at spike time not computed because as many as the "
+                                             "collector runs at once were running (the API answered 429 with "
+                                             "Retry-After; the spike page was shown without its profile), by "
+                                             "surface (api, page).", ["surface"], registry=r)
+        self.profile_diffs_partial = Counter("spikehound_profile_diffs_partial",
+                                             "Profile diffs at spike time cut at their bounds (distinct stacks, "
+                                             "frames, functions, rows): answered with what was read, saying so, "
+                                             "by surface (api, page).", ["surface"], registry=r)
         self.truncated = Counter("spikehound_ingest_truncated",
                                  "Names and values cut, or attributes dropped, at the collector's limits "
                                  "(collector.max_name_length, max_attribute_value_length, max_attributes_per_span), "

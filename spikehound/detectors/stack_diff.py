@@ -16,6 +16,12 @@ is): enough samples in both periods, a top self-share growth that is large, beyo
 ahead of the runner-up's. Otherwise :attr:`StackDiff.culprit` is None and :attr:`StackDiff.why_unclear` says
 what was missing.
 
+Stacks are folded as they are read (:class:`StackFolder`): a stack becomes the numbers of its functions
+(:class:`FrameTable` holds each name and file once), its samples go to per-function counters and its first
+:data:`TREE_MAX_DEPTH` functions to the flame tree's paths, and its frames are let go; the table stops at
+:data:`MAX_FRAMES` frames, :data:`MAX_FUNCTIONS` functions or :data:`MAX_FUNCTION_CHARS` characters of names and
+files, and says so in :attr:`StackDiff.partial`.
+
 >>> from spikehound.model import ProfileStack
 >>> def stack(leaf, samples):
 ...     return ProfileStack(host="gpu-1", service="preprocess", pid=42, process="python3", start_unix_nano=0,
@@ -37,6 +43,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from spikehound.model import Frame, ProfileStack
 
@@ -69,6 +76,14 @@ MIN_SELF_GROWTH_BY_RATE = 0.05
 TREE_MIN_SHARE = 0.005
 TREE_MAX_DEPTH = 64
 TREE_MAX_NODES = 2000
+# What one diff reads at most, whatever senders stored: a real process runs a few thousand distinct stacks of a
+# few dozen frames and a few thousand functions; beyond these the diff says it is partial (docs/profile-diff.md).
+MAX_FRAMES = 2_000_000
+MAX_FUNCTIONS = 100_000
+# Characters of the distinct names and files one diff holds: real ones are a few dozen characters, so a few
+# thousand functions take well under a MB; a sender may store names and files of a thousand characters each, and
+# the function count alone would then let one diff hold 200 MB.
+MAX_FUNCTION_CHARS = 4_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +143,7 @@ class StackDiff:
     culprit: FunctionChange | None
     why_unclear: str | None  # None when a culprit is named
     tree: FlameNode
-
-
-def _identity(frame: Frame) -> FunctionKey:
-    return frame[0], frame[1]
+    partial: str | None = None  # what the diff left unread at its bounds; None when it read everything
 
 
 _COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
@@ -160,23 +172,117 @@ def inline_comprehensions(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
     return tuple(out)
 
 
-def _fold(stacks: Iterable[ProfileStack]) -> Counter[tuple[Frame, ...]]:
-    """Samples per distinct stack (comprehensions inlined): windows and processes repeat the same stacks."""
-    folded: Counter[tuple[Frame, ...]] = Counter()
-    for s in stacks:
-        if s.samples > 0 and s.frames:
-            folded[inline_comprehensions(s.frames)] += s.samples
-    return folded
+class FrameTable:
+    """The functions of one diff's stacks, each (name, file) held once and numbered, and what reading them cost.
+
+    Stored stacks repeat the same few hundred functions thousands of times: a stack is kept as the numbers of
+    its functions, never as frames, and the table stops taking stacks beyond ``max_frames`` frames read,
+    ``max_functions`` distinct functions or ``max_chars`` characters of the distinct names and files it holds,
+    saying so in :attr:`partial`.
+    """
+
+    def __init__(self, max_frames: int = MAX_FRAMES, max_functions: int = MAX_FUNCTIONS,
+                 max_chars: int = MAX_FUNCTION_CHARS) -> None:
+        self.max_frames, self.max_functions, self.max_chars = max_frames, max_functions, max_chars
+        self.chars = 0  # characters of the distinct strings held
+        self.keys: list[FunctionKey] = []
+        self._ids: dict[FunctionKey, int] = {}
+        self._strings: dict[str, str] = {}
+        self.frames_read = 0
+        self.partial: str | None = None
+
+    def function_ids(self, frames: Sequence[Sequence[Any]]) -> list[int] | None:
+        """The numbers of ``frames``' functions, root first, comprehensions merged into the function that runs
+        them (as :func:`inline_comprehensions`); None when the stack would go beyond the table's bounds."""
+        if self.frames_read + len(frames) > self.max_frames:
+            self.partial = f"the diff read {self.frames_read} frames, its limit being {self.max_frames}"
+            return None
+        self.frames_read += len(frames)
+        ids: list[int] = []
+        known = self._ids.get
+        last_name = last_file = ""
+        for frame in frames:
+            name, file = frame[0], frame[1]
+            if (ids and name.endswith(_COMPREHENSIONS) and last_file == file
+                    and (".<locals>." not in name or name.startswith(last_name + "."))):
+                continue  # its function's own code: the identity stays the caller's
+            key = (name, file)
+            fid = known(key)
+            if fid is None:
+                if len(self.keys) >= self.max_functions:
+                    self.partial = f"the diff met {self.max_functions} distinct functions, its limit"
+                    return None
+                strings = self._strings
+                grown = (0 if name in strings else len(name)) + (0 if file in strings or file == name else len(file))
+                if self.chars + grown > self.max_chars:
+                    self.partial = (f"the diff held {self.chars} characters of function names and files, its "
+                                    f"limit being {self.max_chars}")
+                    return None
+                self.chars += grown
+                key = (strings.setdefault(name, name), strings.setdefault(file, file))
+                fid = self._ids[key] = len(self.keys)
+                self.keys.append(key)
+            ids.append(fid)
+            last_name, last_file = name, file
+        return ids
 
 
-def _counts(folded: Counter[tuple[Frame, ...]]) -> tuple[Counter[FunctionKey], Counter[FunctionKey], int]:
-    self_counts: Counter[FunctionKey] = Counter()
-    total_counts: Counter[FunctionKey] = Counter()
-    for frames, n in folded.items():
-        self_counts[_identity(frames[-1])] += n
-        for key in {_identity(f) for f in frames}:  # once per stack: a recursive function is not counted twice
-            total_counts[key] += n
-    return self_counts, total_counts, sum(folded.values())
+class StackFolder:
+    """One group's stacks of both periods, folded as they are read into what the diff needs and nothing more:
+    each function's self and total samples per period, and each stack's first :data:`TREE_MAX_DEPTH`
+    functions (the flame tree's paths), merged with every stack that shares them."""
+
+    def __init__(self, table: FrameTable) -> None:
+        self.table = table
+        self.self_counts: tuple[Counter[int], Counter[int]] = (Counter(), Counter())
+        self.total_counts: tuple[Counter[int], Counter[int]] = (Counter(), Counter())
+        self.samples = [0, 0]
+        self.paths: dict[tuple[int, ...], list[int]] = {}
+
+    def add(self, frames: Sequence[Sequence[Any]], spike: int, baseline: int) -> bool:
+        """Count one stack's samples in each period (counts under 1 are not samples); False when the table's
+        bounds refused it."""
+        spike, baseline = max(spike, 0), max(baseline, 0)
+        if not frames or not (spike or baseline):
+            return True
+        ids = self.table.function_ids(frames)
+        if ids is None:
+            return False
+        leaf, once = ids[-1], set(ids)  # once per stack: a recursive function is not counted twice
+        for side, n in ((0, spike), (1, baseline)):
+            if n:
+                self.self_counts[side][leaf] += n
+                totals = self.total_counts[side]
+                for key in once:
+                    totals[key] += n
+                self.samples[side] += n
+        path = tuple(ids[:TREE_MAX_DEPTH])
+        counts = self.paths.get(path)
+        if counts is None:
+            counts = self.paths[path] = [0, 0]
+        counts[0] += spike
+        counts[1] += baseline
+        return True
+
+    def diff(self, t_spike: float, t_base: float, partial: str | None = None) -> StackDiff:
+        """The diff of what was added; ``t_spike`` and ``t_base`` are the profiled seconds of each period."""
+        keys = self.table.keys
+        (s_self, b_self), (s_total, b_total) = self.self_counts, self.total_counts
+        n_spike, n_base = self.samples
+        changes = []
+        for fid in s_total.keys() | b_total.keys():
+            function, file = keys[fid]
+            changes.append(FunctionChange(
+                function=function, file=file,
+                self_spike=_share(s_self[fid], n_spike), self_baseline=_share(b_self[fid], n_base),
+                total_spike=_share(s_total[fid], n_spike), total_baseline=_share(b_total[fid], n_base),
+                samples_spike=s_total[fid], samples_baseline=b_total[fid],
+                self_samples_spike=s_self[fid], self_samples_baseline=b_self[fid],
+                self_rate_spike=_share(s_self[fid], t_spike), self_rate_baseline=_share(b_self[fid], t_base)))
+        changes.sort(key=lambda c: (-c.self_growth, -c.total_growth, -c.samples_spike, c.function, c.file))
+        culprit, why = judge(changes, n_spike, n_base, t_spike, t_base)
+        return StackDiff(tuple(changes), n_spike, n_base, culprit, why,
+                         _tree(self.paths, keys, n_spike, n_base), partial)
 
 
 def _share(count: int, whole: int) -> float:
@@ -198,38 +304,46 @@ def z_score(spike_count: int, spike_total: int, base_count: int, base_total: int
     return (spike_count / spike_total - base_count / base_total) / spread
 
 
-def _tree(spike: Counter[tuple[Frame, ...]], baseline: Counter[tuple[Frame, ...]], n_spike: int,
+def _tree(paths: dict[tuple[int, ...], list[int]], keys: Sequence[FunctionKey], n_spike: int,
           n_base: int) -> FlameNode:
+    """The merged call tree of ``paths`` (function numbers, root first: their samples in each period), built
+    one level at a time and pruned as it grows (:func:`_prune_level`): it never holds more than one level of
+    nodes beyond those it keeps, however many distinct stacks there are."""
     root = FlameNode("all", "", n_spike, n_base)
-    for folded, side in ((spike, "spike"), (baseline, "baseline")):
-        for frames, n in folded.items():
-            node = root
-            for frame in frames[:TREE_MAX_DEPTH]:
-                key = _identity(frame)
+    live = [(path, counts[0], counts[1], root) for path, counts in paths.items()]
+    frontier, kept, depth = [root], 1, 0
+    while frontier:
+        grown = []
+        for path, spike, baseline, node in live:
+            if len(path) > depth:
+                key = keys[path[depth]]
                 child = node.children.get(key)
                 if child is None:
                     child = node.children[key] = FlameNode(*key)
-                setattr(child, side, getattr(child, side) + n)
-                node = child
-    _prune(root, n_spike, n_base)
+                child.spike += spike
+                child.baseline += baseline
+                grown.append((path, spike, baseline, child))
+        frontier, kept = _prune_level(frontier, kept, n_spike, n_base)
+        stay = {id(node) for node in frontier}
+        live = [entry for entry in grown if id(entry[3]) in stay]
+        depth += 1
     return root
 
 
-def _prune(root: FlameNode, n_spike: int, n_base: int) -> None:
-    """Drop nodes too small to see in either period, then the smallest beyond the size cap (breadth first)."""
-    kept, frontier = 1, [root]
-    while frontier:
-        nxt = []
-        for node in frontier:
-            big = [k for k, c in node.children.items()
-                   if _share(c.spike, n_spike) >= TREE_MIN_SHARE or _share(c.baseline, n_base) >= TREE_MIN_SHARE]
-            big.sort(key=lambda k: -max(_share(node.children[k].spike, n_spike),
-                                        _share(node.children[k].baseline, n_base)))
-            big = big[:max(0, TREE_MAX_NODES - kept)]
-            node.children = {k: node.children[k] for k in big}
-            kept += len(big)
-            nxt.extend(node.children.values())
-        frontier = nxt
+def _prune_level(frontier: list[FlameNode], kept: int, n_spike: int, n_base: int) -> tuple[list[FlameNode], int]:
+    """Drop the children of ``frontier`` too small to see in either period, then the smallest beyond the size
+    cap (breadth first); the children kept, and how many nodes the tree keeps so far."""
+    nxt = []
+    for node in frontier:
+        big = [k for k, c in node.children.items()
+               if _share(c.spike, n_spike) >= TREE_MIN_SHARE or _share(c.baseline, n_base) >= TREE_MIN_SHARE]
+        big.sort(key=lambda k: -max(_share(node.children[k].spike, n_spike),
+                                    _share(node.children[k].baseline, n_base)))
+        big = big[:max(0, TREE_MAX_NODES - kept)]
+        node.children = {k: node.children[k] for k in big}
+        kept += len(big)
+        nxt.extend(node.children.values())
+    return nxt, kept
 
 
 def profiled_seconds(stacks: Iterable[ProfileStack]) -> float:
@@ -243,25 +357,25 @@ def profiled_seconds(stacks: Iterable[ProfileStack]) -> float:
     return sum(w[5] - w[4] for w in windows) / 1e9
 
 
-def diff_stacks(spike: Iterable[ProfileStack], baseline: Iterable[ProfileStack]) -> StackDiff:
+def diff_stacks(spike: Iterable[ProfileStack], baseline: Iterable[ProfileStack],
+                table: FrameTable | None = None) -> StackDiff:
     """The stacks of the spike's windows against those of the windows before it (one kind of sample each)."""
     spike, baseline = list(spike), list(baseline)
-    t_spike, t_base = profiled_seconds(spike), profiled_seconds(baseline)
-    spike_folded, base_folded = _fold(spike), _fold(baseline)
-    s_self, s_total, n_spike = _counts(spike_folded)
-    b_self, b_total, n_base = _counts(base_folded)
-    changes = [FunctionChange(function=key[0], file=key[1],
-                              self_spike=_share(s_self[key], n_spike), self_baseline=_share(b_self[key], n_base),
-                              total_spike=_share(s_total[key], n_spike), total_baseline=_share(b_total[key], n_base),
-                              samples_spike=s_total[key], samples_baseline=b_total[key],
-                              self_samples_spike=s_self[key], self_samples_baseline=b_self[key],
-                              self_rate_spike=_share(s_self[key], t_spike),
-                              self_rate_baseline=_share(b_self[key], t_base))
-               for key in s_total.keys() | b_total.keys()]
-    changes.sort(key=lambda c: (-c.self_growth, -c.total_growth, -c.samples_spike, c.function, c.file))
-    culprit, why = judge(changes, n_spike, n_base, t_spike, t_base)
-    return StackDiff(tuple(changes), n_spike, n_base, culprit, why,
-                     _tree(spike_folded, base_folded, n_spike, n_base))
+    # Windows and processes repeat the same stacks: each distinct one is folded once, with both periods' samples.
+    folded: dict[tuple[Frame, ...], list[int]] = {}
+    for side, stacks in ((0, spike), (1, baseline)):
+        for s in stacks:
+            if s.samples > 0 and s.frames:
+                counts = folded.get(s.frames)
+                if counts is None:
+                    counts = folded[s.frames] = [0, 0]
+                counts[side] += s.samples
+    table = table or FrameTable()
+    folder = StackFolder(table)
+    for frames, (n_spike, n_base) in folded.items():
+        folder.add(frames, n_spike, n_base)
+    partial = f"{table.partial}: the shares are of what was read" if table.partial else None
+    return folder.diff(profiled_seconds(spike), profiled_seconds(baseline), partial)
 
 
 def judge(changes: Sequence[FunctionChange], n_spike: int, n_base: int, t_spike: float = 0.0, t_base: float = 0.0

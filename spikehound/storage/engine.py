@@ -8,11 +8,16 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from spikehound.config import redact_url
 
 # libpq's: give up connecting after 10 s; and on an open connection whose server went silent (a partition, a
 # host gone without a reset), fail within about 30 s instead of the kernel's 15 minutes of retransmissions.
@@ -29,7 +34,11 @@ def normalize_url(url: str) -> str:
 
 
 def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
-    """Create the engine; SQLite gets WAL so API readers never block the writer."""
+    """Create the engine; SQLite gets WAL so API readers never block the writer.
+
+    Raises :class:`DatabaseUnavailable` when a SQLite file's directory cannot be created.
+    """
+    given_url = url
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
@@ -38,7 +47,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
         given = {k: v for k, v in PG_TIMEOUTS.items() if k not in parsed.query}  # the URL's own settings win
         return create_engine(url, pool_size=8, max_overflow=4, pool_pre_ping=True, connect_args=given)
     if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise unavailable(exc, given_url) from None
     engine = create_engine(url, connect_args={"timeout": 30})
 
     @event.listens_for(engine, "connect")
@@ -52,3 +64,92 @@ def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
         cur.close()
 
     return engine
+
+
+# --- a database that cannot be used at start -----------------------------------------------------------------
+
+DATABASE_DOWN_STATUS = 3  # exit status: PostgreSQL down, unreachable or refusing the login (systemd restarts)
+DATABASE_PATH_STATUS = 2  # exit status: a SQLite path that cannot be used (a configuration error: not restarted)
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be used at start. ``str()`` is one line: what is wrong and what to do.
+
+    ``status`` is the exit status it means: 3 when the server may come up later (systemd starts the daemon
+    again), 2 when ``storage.url`` itself names what cannot work (a SQLite path).
+    """
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def unavailable(exc: BaseException, url: str) -> DatabaseUnavailable:
+    """``exc``, raised opening or migrating the database at ``url``, said in one line with what to do.
+
+    >>> from sqlalchemy.exc import OperationalError
+    >>> str(unavailable(OperationalError("connect", {}, Exception("connection failed: connection to server at "
+    ...     '"127.0.0.1", port 5433 failed: Connection refused\\n\\tIs the server running')),
+    ...     "postgresql://app:s3cret@db:5433/x"))  # doctest: +ELLIPSIS
+    'storage.url postgresql://app:***@db:5433/x: cannot connect to PostgreSQL at db:5433: connection refused...'
+    >>> unavailable(PermissionError(13, "Permission denied"), "sqlite:////srv/x/s.db").status
+    2
+    """
+    shown = redact_url(url)
+    parsed = make_url(normalize_url(url))
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    said = _one_line(cause, url)
+    if parsed.get_backend_name() == "sqlite":
+        where = Path(parsed.database or "")
+        blocking = next((p for p in where.parents if _exists(p)), None)
+        if blocking is not None and not blocking.is_dir():
+            what = f"{blocking} is not a directory"
+        elif isinstance(exc, PermissionError):
+            what = (f"cannot reach or create the directory {where.parent} ({exc.strerror}): the collector's user "
+                    "needs to enter every directory above it and to write in it")
+        elif isinstance(exc, OSError) and exc.strerror:
+            what = f"cannot create the directory {where.parent} ({exc.strerror}): create it, writable by the " \
+                   "collector's user"
+        else:
+            what = f"cannot open or write the SQLite file {where} ({said}): make it and its directory writable " \
+                   "by the collector's user"
+        return DatabaseUnavailable(f"storage.url {shown}: {what}; or set storage.url (SPIKEHOUND_STORAGE_URL, "
+                                   "--db) to another path", DATABASE_PATH_STATUS)
+    at = f"{parsed.host or 'localhost'}:{parsed.port or 5432}"
+    lowered = said.lower()
+    if "connection refused" in lowered:
+        why = ("connection refused: start PostgreSQL there, or correct the host and port in storage.url "
+               "(SPIKEHOUND_STORAGE_URL, --db)")
+    elif "resolve host" in lowered or "name or service not known" in lowered or "nodename nor servname" in lowered:
+        why = (f"the host name {parsed.host} does not resolve: correct it in storage.url (SPIKEHOUND_STORAGE_URL, "
+               "--db), or check the host's DNS")
+    elif "timeout" in lowered or "timed out" in lowered or "unreachable" in lowered or "no route" in lowered:
+        why = (f"no answer ({said}): the host is down or unreachable, or a firewall drops the packets; check the "
+               "address in storage.url and the network path to it")
+    elif "authentication" in lowered or "password" in lowered or "role" in lowered:
+        why = f"the login was refused ({said}): check the user and password in storage.url"
+    elif "does not exist" in lowered:
+        why = f"{said}: create it (createdb), or correct the database name in storage.url"
+    else:
+        why = f"{said}: check storage.url and that PostgreSQL runs there"
+    return DatabaseUnavailable(f"storage.url {shown}: cannot connect to PostgreSQL at {at}: {why}",
+                               DATABASE_DOWN_STATUS)
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False when that cannot be told (a directory above it the user may not enter)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def _one_line(exc: BaseException, url: str) -> str:
+    """The first line of what the driver said, without a password it may have quoted."""
+    text = (str(exc).strip().splitlines() or [exc.__class__.__name__])[0]
+    text = re.sub(r"^connection failed: ", "", text)
+    password = urlsplit(url).password or ""
+    for secret in filter(None, {password, unquote(password)}):
+        text = text.replace(secret, "***")
+    return text[:300]
+

@@ -10,12 +10,13 @@ thread pool). Trace search and the dependency graph scan span blocks in
 from __future__ import annotations
 
 import zlib
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import Engine, and_, func, or_, select
+from sqlalchemy import Connection, Engine, and_, func, or_, select
 
 from spikehound.model import (
     AffectedStream,
@@ -34,10 +35,43 @@ from spikehound.storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SP
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
 MAX_PROFILE_ROWS = 200_000  # (process, window, stack) rows one profile read may bring back
-_IN_CHUNK = 1000  # ids per IN list: SQLite allows 32,766 parameters, and a plan stays small
+_STREAM_ROWS = 5000  # rows a streamed read holds at once
+_FRAMES_CHUNK = 200  # stacks' frames read at once: 256 frames of JSON each, a megabyte or two
+_FRAMES_CACHE = -2048  # KiB of SQLite page cache while a diff reads stacks' frames
 # The longest profile window a read looks back for (the agent's are 10 s): it bounds the index range a read
 # scans to the period asked for, instead of every older window of the service or host.
 MAX_PROFILE_WINDOW_NS = 600 * 1_000_000_000
+
+
+@contextmanager
+def _small_cache(conn: Connection) -> Iterator[None]:
+    """A diff passes hundreds of MB of profile rows and stacks through once: in SQLite's page cache
+    (storage/engine.py: 64 MiB a connection) they would only displace the hot index pages and hold that much memory
+    per connection, so its reads keep the connection's cache small and restore it after."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    cache = conn.exec_driver_sql("PRAGMA cache_size").scalar()
+    conn.exec_driver_sql(f"PRAGMA cache_size={_FRAMES_CACHE}")
+    try:
+        yield
+    finally:
+        conn.exec_driver_sql(f"PRAGMA cache_size={int(cache)}")
+
+
+class ProfileRow(NamedTuple):
+    """One (process, window, stack) row of a profile read, its stack by number (:meth:`Reader.stack_frames`)."""
+
+    stack_id: int
+    host: str
+    service: str
+    pid: int
+    process: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    samples: int
+    period_ns: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -216,7 +250,8 @@ class Reader:
                       baseline_p99_ns=r.baseline_p99_ns, causes=tuple(causes.get(r.id, ())),
                       exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)),
                       detected_unix_nano=r.detected_ns, peer_service=r.peer_service,
-                      affected=tuple(affected.get(r.id, ())))
+                      affected=tuple(affected.get(r.id, ())), recurrence_of=r.recurrence_of,
+                      occurrence=r.occurrence, first_start_unix_nano=r.first_start_ns)
                 for r in rows]
 
     def span_payloads(self, since_ns: int, until_ns: int, *, max_block_seconds: int = 3600) -> Iterator[bytes]:
@@ -313,9 +348,24 @@ class Reader:
                        limit: int = MAX_PROFILE_ROWS) -> list[ProfileStack]:
         """The sampled stacks of profile windows overlapping ``[since_ns, until_ns)``, of ``service`` and/or
         ``host`` when given, oldest window first (at most ``limit`` rows); windows longer than
-        ``MAX_PROFILE_WINDOW_NS`` are not looked for."""
-        ps, st = schema.profile_samples, schema.profile_stacks
-        query = (select(ps)
+        ``MAX_PROFILE_WINDOW_NS`` are not looked for. The whole read is held at once: the diff, which must stay
+        bounded whatever was stored, folds :meth:`profile_rows` instead."""
+        rows = list(self.profile_rows(since_ns, until_ns, service=service, host=host, limit=limit))
+        # A process runs the same stacks window after window: each is read and parsed once, and its frames
+        # shared by every row that counts it.
+        frames = {i: tuple((str(fn), str(file), int(line)) for fn, file, line in raw)
+                  for i, raw in self.stack_frames(sorted({r.stack_id for r in rows}))}
+        return [ProfileStack(host=r.host, service=r.service, pid=r.pid, process=r.process, start_unix_nano=r.start_ns,
+                             end_unix_nano=r.end_ns, frames=frames[r.stack_id], samples=r.samples, kind=r.kind,
+                             period_ns=r.period_ns) for r in rows if r.stack_id in frames]
+
+    def profile_rows(self, since_ns: int, until_ns: int, *, service: str | None = None, host: str | None = None,
+                     limit: int = MAX_PROFILE_ROWS) -> Generator[ProfileRow, None, None]:
+        """The rows :meth:`profile_stacks` reads, without their frames (:meth:`stack_frames`), streamed from the
+        database as they are iterated rather than held: what a diff folds row by row."""
+        ps = schema.profile_samples
+        query = (select(ps.c.stack_id, ps.c.host, ps.c.service, ps.c.pid, ps.c.process, ps.c.kind, ps.c.start_ns,
+                        ps.c.end_ns, ps.c.samples, ps.c.period_ns)
                  .where(ps.c.start_ns < until_ns, ps.c.start_ns > since_ns - MAX_PROFILE_WINDOW_NS,
                         ps.c.end_ns > since_ns))
         if service is not None:
@@ -323,19 +373,25 @@ class Reader:
         if host is not None:
             query = query.where(ps.c.host == host)
         query = query.order_by(ps.c.start_ns, ps.c.host, ps.c.pid).limit(limit)
-        with self.engine.connect() as conn:
-            rows = conn.execute(query).all()
-            # A process runs the same stacks window after window: each is read and parsed once, and its frames
-            # shared by every row that counts it (a five-minute read of a busy process is 60,000 rows, 2,000 stacks).
-            ids = sorted({r.stack_id for r in rows})
-            frames: dict[int, tuple[tuple[str, str, int], ...]] = {}
-            for at in range(0, len(ids), _IN_CHUNK):
-                chunk = ids[at:at + _IN_CHUNK]
-                frames.update((i, _frames(text)) for i, text in conn.execute(
-                    select(st.c.id, st.c.frames).where(st.c.id.in_(chunk))))
-        return [ProfileStack(host=r.host, service=r.service, pid=r.pid, process=r.process, start_unix_nano=r.start_ns,
-                             end_unix_nano=r.end_ns, frames=frames[r.stack_id], samples=r.samples, kind=r.kind,
-                             period_ns=r.period_ns) for r in rows if r.stack_id in frames]
+        # A server-side cursor on PostgreSQL: the driver holds a batch of rows, not the whole answer.
+        with (self.engine.connect() as conn, _small_cache(conn),
+              conn.execution_options(stream_results=True, yield_per=_STREAM_ROWS).execute(query) as result):
+            for r in result:
+                yield ProfileRow(*r)
+
+    def stack_frames(self, stack_ids: Sequence[int]) -> Generator[tuple[int, list[Any]], None, None]:
+        """The frames (``[function, file, line]`` lists, root first) of the stored stacks ``stack_ids``, a few
+        hundred at a time, in no particular order; unknown ids are left out."""
+        st = schema.profile_stacks
+        with self.engine.connect() as conn, _small_cache(conn):
+            for at in range(0, len(stack_ids), _FRAMES_CHUNK):
+                chunk = stack_ids[at:at + _FRAMES_CHUNK]
+                # Streamed: a stored stack's frames may be half a MB of long names, and psycopg would otherwise
+                # hold the whole chunk's answer at once.
+                query = select(st.c.id, st.c.frames).where(st.c.id.in_(chunk))
+                with conn.execution_options(stream_results=True, yield_per=16).execute(query) as result:
+                    for i, text in result:
+                        yield i, orjson.loads(text)
 
     def find_trace_ids(self, query: TraceQuery, max_scanned_spans: int = MAX_SCANNED_SPANS) -> list[bytes]:
         """Ids of traces matching ``query``, the one with the latest matching span first, at most ``query.limit``."""
@@ -413,7 +469,3 @@ def count_rows(engine: Engine, table: str) -> int:
     """Row count of one table (operations and tests)."""
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(schema.metadata.tables[table])).scalar_one()
-
-
-def _frames(text: str) -> tuple[tuple[str, str, int], ...]:
-    return tuple((str(fn), str(file), int(line)) for fn, file, line in orjson.loads(text))

@@ -108,10 +108,12 @@ class SdkApp:
     """An application on the SDK sending ``traces_per_second`` traces of 10 spans to the agent (300 spans/s)."""
 
     def __init__(self, endpoint: str, service: str, traces_per_second: float = 30,
-                 exporter: SpanExporter | None = None) -> None:
-        """``exporter`` replaces the OTLP/gRPC one to ``endpoint`` (an OTLP/HTTP exporter, say)."""
-        # The default 10 s timeout: an export retries UNAVAILABLE while the agent restarts.
-        self.recording = Recording(exporter or GrpcSpanExporter(endpoint=endpoint, insecure=True, timeout=10))
+                 exporter: SpanExporter | None = None, export_timeout: float = 10) -> None:
+        """``exporter`` replaces the OTLP/gRPC one to ``endpoint`` (an OTLP/HTTP exporter, say);
+        ``export_timeout`` is how long the SDK retries one export before it gives it up."""
+        # The SDK's default 10 s: an export retries UNAVAILABLE while the agent restarts.
+        self.recording = Recording(exporter or GrpcSpanExporter(endpoint=endpoint, insecure=True,
+                                                                timeout=export_timeout))
         self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "pod-7"}))
         self.provider.add_span_processor(BatchSpanProcessor(self.recording, max_export_batch_size=256,
                                                             schedule_delay_millis=100, max_queue_size=8192))

@@ -3,11 +3,15 @@ retry answer a collector gives a raw OTLP export: the checks the fault tests sha
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from collections.abc import Iterable
+from contextlib import closing
+from pathlib import Path
 
 import grpc
 import requests
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from harness.api_client import ApiClient
 from harness.daemons import AgentProcess
@@ -61,3 +65,20 @@ def http_export(endpoint: str, payload: bytes, session: requests.Session | None 
                 timeout: float = 10) -> requests.Response:
     """POST one encoded ExportTraceServiceRequest to an OTLP/HTTP receiver (``endpoint``: its base URL)."""
     return (session or requests).post(f"{endpoint}/v1/traces", data=payload, headers=PROTOBUF, timeout=timeout)
+
+
+def stored_spans(db: Path) -> set[tuple[str, str]]:
+    """(trace id, span id) of every span a collector's SQLite database holds (a replayed block counts once)."""
+    if not db.exists():
+        return set()
+    found: set[tuple[str, str]] = set()
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        try:
+            rows = conn.execute("SELECT payload FROM span_blocks").fetchall()
+        except sqlite3.OperationalError:  # not migrated yet
+            return set()
+    for (payload,) in rows:
+        for rs in ExportTraceServiceRequest.FromString(payload).resource_spans:
+            for ss in rs.scope_spans:
+                found.update((sp.trace_id.hex(), sp.span_id.hex()) for sp in ss.spans)
+    return found

@@ -33,7 +33,18 @@ walked at most every ``rescan_interval_s`` (10 s), and even then only new proces
 a new server is found within 10 s, and one that appears by a late exec or on a just-reused pid within a minute.
 A *PID file* holds a decimal pid; it is read at the same cadence and again on the tick after a process vanished.
 Missing, garbage or stale PID files are counted in ``errors``, never raised. A process that exits (or turns
-zombie) or becomes unreadable is dropped and counted (``process_gone`` / ``process_access_denied``).
+zombie) or becomes unreadable is dropped and counted (``process_gone`` / ``process_access_denied``). With
+``users``, a tracked process's owner is read again at every sample and whenever the profiler asks which processes
+to profile: one that switched to a user not among them is dropped at once (counted in ``left_out`` as ``user``).
+
+Any local user can start a process whose name or command line matches a pattern, and the agent's profiler
+attaches to what is tracked here, so what is tracked is bounded. With ``users`` (``agent.profile_users``) only
+processes whose real and effective uid are both among them are tracked; one whose owner cannot be read is not.
+At most ``max_processes`` (``agent.profile_max_processes``) are tracked: PID-file processes first (an operator
+named them), then the longest-running, then the lowest pid. Longest-running first means processes started
+later, such as a burst of look-alikes, never displace a server that is already tracked. Each process left out
+is counted once in ``left_out`` by reason (``max_processes``, ``user``), and a WARNING is logged once each time
+the cap starts being exceeded or foreign-owned matches appear.
 
 Every psutil query runs on its own: one that fails is counted in ``errors`` (logged once per query) and the rest
 of the sample still comes out.
@@ -43,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import re
 import time
 from collections import Counter
@@ -56,7 +68,6 @@ import psutil
 from spikehound.agent.sample import Kind, Sample
 
 log = logging.getLogger(__name__)
-
 T = TypeVar("T")
 Attributes = dict[str, str | int | float | bool]
 
@@ -75,6 +86,8 @@ CPU_MODES: dict[str, str] = {
 DEFAULT_RESCAN_INTERVAL_S = 10.0
 FULL_SCAN_EVERY = 6  # pattern scans; with the default interval every process is looked at afresh each minute
 SETTLE_S = 60.0  # a process younger than this is re-examined at every scan, in case it has yet to exec the server
+DEFAULT_MAX_PROCESSES = 32
+LEFT_OUT_REASONS = ("max_processes", "user")
 
 
 @dataclass(slots=True)
@@ -84,6 +97,7 @@ class _Tracked:
     process: Any
     attributes: Attributes
     from_pid_file: bool
+    started: float = 0.0  # the process's creation time (epoch seconds), as _Candidate's
     cpu_s: float | None = None
     at: float = 0.0
 
@@ -95,6 +109,44 @@ class _Verdict:
     process: Any
     name: str | None
     started: float  # the process's creation time (epoch seconds); 0 when unknown
+    uids: tuple[int, ...] = ()  # real and effective uid; () when unreadable
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """A process that matched a pattern or a PID file, before the owner filter and the cap."""
+
+    process: Any
+    name: str
+    from_pid_file: bool
+    started: float
+    uids: tuple[int, ...]
+
+    def rank(self) -> tuple[bool, float, int]:
+        """PID files first, then the longest-running (an unknown start last), then the lowest pid."""
+        return not self.from_pid_file, self.started or float("inf"), self.process.pid
+
+
+def resolve_users(users: Sequence[str]) -> frozenset[int] | None:
+    """User names or decimal uids -> uids; None for an empty list (no owner filter).
+
+    Raises ValueError naming a user this host does not know.
+
+    >>> sorted(resolve_users(["root", "1234"]))
+    [0, 1234]
+    """
+    if not users:
+        return None
+    uids: set[int] = set()
+    for user in users:
+        if user.isascii() and user.isdigit():
+            uids.add(int(user))
+            continue
+        try:
+            uids.add(pwd.getpwnam(user).pw_uid)
+        except KeyError:
+            raise ValueError(f"no user named {user!r} on this host (give a user name or a numeric uid)") from None
+    return frozenset(uids)
 
 
 def _busy(times: Any, previous: Any) -> tuple[dict[str, float], float] | None:
@@ -112,10 +164,16 @@ class CpuSampler:
     name = "cpu"
 
     def __init__(self, process_patterns: Sequence[str] = (), pid_files: Sequence[str] = (),
-                 psutil_module: Any = None, *, rescan_interval_s: float = DEFAULT_RESCAN_INTERVAL_S) -> None:
+                 psutil_module: Any = None, *, rescan_interval_s: float = DEFAULT_RESCAN_INTERVAL_S,
+                 max_processes: int = DEFAULT_MAX_PROCESSES, users: Sequence[str] = ()) -> None:
         self.process_patterns = process_patterns
         self.pid_files = pid_files
         self.rescan_interval_s = rescan_interval_s
+        self.max_processes = max(1, max_processes)
+        self._uids = resolve_users(users)  # ValueError: an unknown user, caught by the caller as configuration
+        # Processes left out now, (pid, start) -> reason, so each is counted once however many scans see it.
+        self._left_now: dict[tuple[int, float], str] = {}
+        self.left_out: Counter[str] = Counter()
         # Compiled here so a bad pattern fails at start-up (configuration), not every second.
         self._patterns = [re.compile(pattern) for pattern in process_patterns]
         self._ps: Any = psutil_module or psutil  # injected in tests
@@ -124,7 +182,7 @@ class CpuSampler:
         self._prev_times: Any = None
         self._prev_percpu: list[Any] | None = None
         self._tracked: dict[int, _Tracked] = {}
-        self._matched: dict[int, tuple[Any, str]] = {}  # pid -> (process, name) from the last pattern scan
+        self._matched: dict[int, _Verdict] = {}  # pid -> its verdict, for the matches of the last pattern scan
         self._verdicts: dict[int, _Verdict] = {}
         self._scans = 0
         self._next_scan = 0.0
@@ -151,11 +209,53 @@ class CpuSampler:
         self._scans = 0
         self._next_scan = 0.0
         self._reread_pid_files = False
+        self._left_now.clear()
 
     @property
     def processes(self) -> dict[int, Attributes]:
-        """The model-server processes being sampled: pid -> their attributes."""
+        """The model-server processes being sampled, first-ranked first: pid -> their attributes.
+
+        With ``users``, each one's owner is read again first (one /proc read a process): the profiler asks for
+        these before each window, and must not attach to a process that has just switched to another user."""
+        if self._uids is not None:
+            for pid, tracked in list(self._tracked.items()):
+                uids = self._read_process(pid, tracked.process.uids)
+                if uids is not None and not self._owned((uids.real, uids.effective)):
+                    self._drop_foreign(pid, (uids.real, uids.effective))
         return {pid: dict(tracked.attributes) for pid, tracked in self._tracked.items()}
+
+    def _read_process(self, pid: int, read: Callable[[], T]) -> T | None:
+        """``read()`` of a tracked process, or None after dropping it (gone, not ours to read) or counting the
+        error."""
+        ps = self._ps
+        try:
+            return read()
+        except ps.NoSuchProcess:
+            self._drop(pid, "process_gone")
+        except ps.AccessDenied:
+            self._drop(pid, "process_access_denied")
+        except Exception as exc:
+            self._count_error("process", exc, str(pid))
+        return None
+
+    def _owned(self, uids: tuple[int, ...]) -> bool:
+        """Whether a process of real and effective ``uids`` may be tracked (unreadable: not with ``users``)."""
+        return self._uids is None or (bool(uids) and set(uids) <= self._uids)
+
+    def _drop_foreign(self, pid: int, uids: tuple[int, ...]) -> None:
+        """Stop tracking a process that now runs as a user not in ``users``, counted as left out for it."""
+        tracked = self._tracked[pid]
+        self._drop(pid, "user", error=False)  # counted in left_out, not among the sampler's errors
+        key = (pid, tracked.started)
+        if self._left_now.get(key) != "user":
+            self.left_out["user"] += 1
+            self._left_now[key] = "user"
+        log.warning("model-server process %d now runs as uid %s, not in agent.profile_users: no longer sampled or "
+                    "profiled", pid, "/".join(map(str, uids)) or "unreadable")
+
+    def left_out_now(self, reason: str) -> int:
+        """Matching processes not tracked at the last scan, for ``reason``."""
+        return sum(1 for why in self._left_now.values() if why == reason)
 
     # -- one query ----------------------------------------------------------------------------------------------
 
@@ -258,21 +358,24 @@ class CpuSampler:
         zombie = getattr(ps, "STATUS_ZOMBIE", "zombie")
         for pid, tracked in list(self._tracked.items()):
             process = tracked.process
-            try:
+
+            def read(process: Any = process, pid: int = pid) -> tuple[Any, int, tuple[int, ...], float]:
                 with process.oneshot():  # one read of /proc/<pid>/stat serves status and cpu_times
                     if process.status() == zombie:
                         raise ps.NoSuchProcess(pid)
                     times = process.cpu_times()
                     rss = process.memory_info().rss
-                at = time.monotonic()
-            except ps.NoSuchProcess:
-                self._drop(pid, "process_gone")
+                    # A setuid() since the last scan is seen here, within a sample, not at the next full scan.
+                    uids = process.uids() if self._uids is not None else None
+                    owner = (uids.real, uids.effective) if uids is not None else ()
+                return times, rss, owner, time.monotonic()
+
+            got = self._read_process(pid, read)
+            if got is None:
                 continue
-            except ps.AccessDenied:
-                self._drop(pid, "process_access_denied")
-                continue
-            except Exception as exc:
-                self._count_error("process", exc, str(pid))
+            times, rss, owner, at = got
+            if not self._owned(owner):
+                self._drop_foreign(pid, owner)
                 continue
             cpu_s = float(times.user + times.system)
             if tracked.cpu_s is not None and at > tracked.at:
@@ -281,9 +384,10 @@ class CpuSampler:
             tracked.cpu_s, tracked.at = cpu_s, at
             out.append(Sample("process.memory.usage", float(rss), "By", dict(tracked.attributes)))
 
-    def _drop(self, pid: int, reason: str) -> None:
+    def _drop(self, pid: int, reason: str, *, error: bool = True) -> None:
         # Expected when a server restarts, so counted and logged at debug only.
-        self.errors[reason] += 1
+        if error:
+            self.errors[reason] += 1
         tracked = self._tracked.pop(pid)
         self._matched.pop(pid, None)
         verdict = self._verdicts.get(pid)
@@ -320,7 +424,7 @@ class CpuSampler:
             self._count_error("process_scan", exc)
             return  # keep the previous matches rather than forget every server until the next scan
         self._verdicts = verdicts
-        self._matched = {pid: (v.process, v.name) for pid, v in verdicts.items() if v.name is not None}
+        self._matched = {pid: v for pid, v in verdicts.items() if v.name is not None}
 
     def _match(self, process: Any) -> _Verdict:
         """Whether the process matches a pattern (never when a zombie or gone), with its name and start time."""
@@ -332,6 +436,7 @@ class CpuSampler:
                     return verdict
                 verdict.started = float(process.create_time())
                 name = process.name() or ""
+                verdict.uids = _owner(process, ps)
                 try:
                     cmdline = " ".join(process.cmdline())
                 except ps.AccessDenied:  # hidepid or another user's process: the name alone must do
@@ -342,7 +447,7 @@ class CpuSampler:
             verdict.name = name
         return verdict
 
-    def _from_pid_file(self, path: str) -> tuple[Any, str] | None:
+    def _from_pid_file(self, path: str) -> _Candidate | None:
         ps = self._ps
         try:
             text = Path(path).read_text(encoding="ascii", errors="replace").strip()
@@ -360,7 +465,8 @@ class CpuSampler:
             process = ps.Process(pid)
             with process.oneshot():
                 if process.status() != getattr(ps, "STATUS_ZOMBIE", "zombie"):
-                    return process, process.name()
+                    return _Candidate(process, process.name(), True, float(process.create_time()),
+                                      _owner(process, ps))
             self._count_error("pid_file_stale", f"process {pid} is a zombie", path)
         except ps.NoSuchProcess:
             self._count_error("pid_file_stale", f"no process {pid}", path)
@@ -371,22 +477,71 @@ class CpuSampler:
         return None
 
     def _rebuild(self) -> None:
-        """Track the pattern matches plus the PID files' processes, keeping the CPU history of known ones."""
-        found: dict[int, tuple[Any, str, bool]] = {pid: (proc, name, False) for pid, (proc, name) in
-                                                   self._matched.items()}
+        """Track the pattern matches plus the PID files' processes, keeping the CPU history of known ones; the
+        owner filter and the cap decide which."""
+        found: dict[int, _Candidate] = {}
+        for pid, verdict in self._matched.items():
+            if verdict.name is not None:
+                found[pid] = _Candidate(verdict.process, verdict.name, False, verdict.started, verdict.uids)
         for path in self.pid_files:
             entry = self._from_pid_file(path)
-            if entry is not None and entry[0].pid != self._own_pid:
-                process, name = found.get(entry[0].pid, entry)[:2]
-                found[entry[0].pid] = (process, name, True)  # so its vanishing re-reads the PID files
+            if entry is not None and entry.process.pid != self._own_pid:
+                known = found.get(entry.process.pid)
+                if known is not None:  # so its vanishing re-reads the PID files
+                    known.from_pid_file = True
+                else:
+                    found[entry.process.pid] = entry
+        allowed: list[_Candidate] = []
+        foreign: list[_Candidate] = []
+        for c in found.values():
+            owned = self._owned(c.uids)
+            (allowed if owned else foreign).append(c)
+        allowed.sort(key=_Candidate.rank)
+        kept, over = allowed[:self.max_processes], allowed[self.max_processes:]
+        self._note_left_out(over, foreign, len(allowed))
         tracked: dict[int, _Tracked] = {}
-        for pid, (process, name, from_pid_file) in found.items():
+        for c in kept:
+            pid = c.process.pid
             old = self._tracked.get(pid)
             # psutil Processes compare equal on pid and creation time, so a reused pid starts a fresh history.
-            if old is not None and old.process == process:
-                old.from_pid_file = from_pid_file
+            if old is not None and old.process == c.process:
+                old.from_pid_file = c.from_pid_file
                 tracked[pid] = old
             else:
-                attributes: Attributes = {"process.pid": pid, "process.executable.name": name}
-                tracked[pid] = _Tracked(process=process, attributes=attributes, from_pid_file=from_pid_file)
+                attributes: Attributes = {"process.pid": pid, "process.executable.name": c.name}
+                tracked[pid] = _Tracked(process=c.process, attributes=attributes, from_pid_file=c.from_pid_file,
+                                        started=c.started)
         self._tracked = tracked
+
+    def _note_left_out(self, over: list[_Candidate], foreign: list[_Candidate], allowed: int) -> None:
+        """Count each newly left-out process once; one WARNING when an episode of either reason begins."""
+        now = {(c.process.pid, c.started): "max_processes" for c in over}
+        now.update({(c.process.pid, c.started): "user" for c in foreign})
+        before = self._left_now
+        for key, reason in now.items():
+            if before.get(key) != reason:
+                self.left_out[reason] += 1
+        had = set(before.values())
+        if over and "max_processes" not in had:
+            log.warning("%d model-server processes match agent.process_patterns / agent.pid_files, more than "
+                        "agent.profile_max_processes (%d): sampling and profiling the %d that run longest (PID "
+                        "files first), leaving %d out (counted in spikehound_agent_processes_left_out_total)",
+                        allowed, self.max_processes, self.max_processes, len(over))
+        elif not over and "max_processes" in had:
+            log.info("model-server processes: %d match, within agent.profile_max_processes (%d) again", allowed,
+                     self.max_processes)
+        if foreign and "user" not in had:
+            first = foreign[0]
+            log.warning("%d processes match agent.process_patterns / agent.pid_files but are owned by users not "
+                        "in agent.profile_users (pid %d, uid %s, among them): not sampled or profiled",
+                        len(foreign), first.process.pid, "/".join(map(str, first.uids)) or "unreadable")
+        self._left_now = now
+
+
+def _owner(process: Any, ps: Any) -> tuple[int, ...]:
+    """The real and effective uid of ``process``; () when they cannot be read (hidepid, gone)."""
+    try:
+        uids = process.uids()
+    except (ps.NoSuchProcess, ps.AccessDenied, AttributeError, OSError):
+        return ()
+    return uids.real, uids.effective

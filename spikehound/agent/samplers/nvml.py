@@ -2,8 +2,9 @@
 
 The sampler is written against an *injected* nvml module: the real ``pynvml`` (PyPI package ``nvidia-ml-py``) on a
 GPU host, or :class:`~spikehound.agent.samplers.nvml_replay.RecordedNvml` in tests. Each reading is one NVML
-query; a query the GPU does not support is remembered and never retried, any other NVML error is counted in ``errors`` and does not
-stop the other queries. Without a driver, ``start()`` logs one warning and returns False and the agent runs on.
+query; a query the GPU does not support is remembered and never retried, any other NVML error is counted in
+``errors`` and does not stop the other queries. Without a driver, ``start()`` logs one warning and returns False
+and the agent runs on.
 
 Clock event ("throttle") reasons are decoded from NVML's bitmask:
 

@@ -35,7 +35,7 @@ from spikehound.collector.alerts.silences import Silence
 from spikehound.collector.alerts.store import AlertStore
 from spikehound.collector.alerts.telemetry import AlertTelemetry
 from spikehound.collector.notifiers import notifier_for
-from spikehound.collector.spike_profile import culprit_line
+from spikehound.collector.spike_profile import ALERT_BOUNDS, culprit_line
 from spikehound.collector.storage_health import DATABASE_AWAY, StorageHealth
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.config import Config
@@ -241,12 +241,20 @@ class Alerting:
             if a.spike.id in lines else a for a in n.alerts)) for n in notes]
 
     def _profile_lines(self, spikes: list[Spike]) -> dict[str, str]:
-        """On a worker thread: the culprit line of each spike that has one."""
-        lines = {}
+        """On a worker thread: the culprit line of each spike that has one.
+
+        Each diff is held to ALERT_BOUNDS (a fixed amount of memory) and to what is left of the flush's
+        PROFILE_SECONDS, so a read the flush stopped waiting for does not run on beside the next one.
+        """
+        lines: dict[str, str] = {}
         now_ns = int(self.clock() * NS)
+        until = time.monotonic() + PROFILE_SECONDS
         for spike in spikes:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
             try:
-                line = culprit_line(self.reader, spike, now_ns)
+                line = culprit_line(self.reader, spike, now_ns, dataclasses.replace(ALERT_BOUNDS, seconds=left))
             except DATABASE_AWAY as exc:
                 self.health.note("reading profiles for an alert (sent without the profile line)", exc)
                 self._profile_failed(None)

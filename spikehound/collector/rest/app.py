@@ -24,6 +24,7 @@ from spikehound.collector.rest.auth import bearer_ok
 from spikehound.collector.rest.common import (
     ALERTING,
     API_TOKEN,
+    DIFF_GATE,
     EXECUTOR,
     READER,
     READY,
@@ -32,6 +33,7 @@ from spikehound.collector.rest.common import (
     json_response,
 )
 from spikehound.collector.rest.openapi import merge_document
+from spikehound.collector.spike_profile import DiffGate
 from spikehound.collector.storage_health import DATABASE_AWAY, READ_RETRY_AFTER_SECONDS, read_refusal
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.web import routes as web_pages
@@ -66,7 +68,10 @@ def build_app(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[],
         try:
             return await handler(request)
         except ApiError as exc:
-            return json_response({"error": str(exc)}, exc.status)
+            refusal = json_response({"error": str(exc)}, exc.status)
+            if exc.retry_after is not None:
+                refusal.headers["Retry-After"] = str(exc.retry_after)
+            return refusal
         except DATABASE_AWAY as exc:  # a retry will do, not a 500; the pipeline says it once in the log
             log.debug("%s %s: %s", request.method, request.path, read_refusal(exc))
             response = json_response({"error": read_refusal(exc)}, 503)
@@ -81,6 +86,7 @@ def build_app(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[],
     app[API_TOKEN] = token
     app[ALERTING] = alerting
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spikehound-api")
+    app[DIFF_GATE] = DiffGate(refused=telemetry.profile_diffs_refused)
 
     async def shutdown_executor(app: web.Application) -> None:
         app[EXECUTOR].shutdown(wait=False, cancel_futures=True)

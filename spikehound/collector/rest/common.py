@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from spikehound.collector.alerts.alerting import Alerting
+from spikehound.collector.spike_profile import DiffGate
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.storage.reader import Reader
 from spikehound.timefmt import MIN_NS, NS, parse_time
@@ -40,14 +41,17 @@ READY = web.AppKey("ready", Callable[[], Awaitable[tuple[bool, str]]])
 EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 ALERTING = web.AppKey("alerting", Alerting)
 API_TOKEN = web.AppKey("api_token", str)  # "" when the API is open
+DIFF_GATE = web.AppKey("diff_gate", DiffGate)  # the profile diffs running at once: the API's and the page's
 
 
 class ApiError(Exception):
-    """A request the API refuses: answered as ``{"error": message}`` with ``status``."""
+    """A request the API refuses: answered as ``{"error": message}`` with ``status`` (and ``Retry-After`` when
+    ``retry_after`` seconds are given)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:

@@ -5,7 +5,8 @@
   sample counts and the merged differential flame tree.
 
 A spike without profiles is answered 200 with no groups and a ``reason``: the spike exists, its processes were
-just not profiled (or not in its windows), which the reason says.
+just not profiled (or not in its windows), which the reason says. A diff cut at its bounds says so in
+``partial``. Beyond the diffs the collector runs at once (``DiffGate``), 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
-from spikehound.collector.rest.common import EXECUTOR, READER, ApiError, json_response, limit_param, run_blocking
+from spikehound.collector.rest.common import (
+    DIFF_GATE,
+    EXECUTOR,
+    READER,
+    TELEMETRY,
+    ApiError,
+    json_response,
+    limit_param,
+    run_blocking,
+)
 from spikehound.collector.rest.openapi import (
     NOT_FOUND,
     TIME,
@@ -24,7 +34,15 @@ from spikehound.collector.rest.openapi import (
     ok_responses,
     schema_object,
 )
-from spikehound.collector.spike_profile import DEFAULT_CHANGES, profile_json, spike_profile
+from spikehound.collector.spike_profile import (
+    DEFAULT_CHANGES,
+    DIFF_RETRY_AFTER_SECONDS,
+    MAX_CONCURRENT_DIFFS,
+    MAX_LISTED_PROCESSES,
+    DiffGate,
+    profile_json,
+    spike_profile,
+)
 from spikehound.storage.reader import Reader
 
 MAX_CHANGES = 200
@@ -36,20 +54,28 @@ def add_routes(app: web.Application) -> None:
     app.add_routes(ROUTES)
 
 
-def _read(reader: Reader, spike_id: str, changes: int) -> dict[str, Any] | None:
-    spike = reader.spike(spike_id)
-    if spike is None:
-        return None
-    return profile_json(spike_profile(reader, spike), changes)
+def _read(gate: DiffGate, reader: Reader, spike_id: str, changes: int) -> dict[str, Any] | None:
+    try:
+        spike = reader.spike(spike_id)
+        if spike is None:
+            return None
+        return profile_json(spike_profile(reader, spike), changes)
+    finally:
+        gate.leave()  # on the worker thread, when the diff is done: never while it still runs
 
 
 @ROUTES.get("/api/v1/spikes/{spike_id}/profile")
 async def get_spike_profile(request: web.Request) -> web.Response:
     spike_id = request.match_info["spike_id"]
     changes = limit_param(request, DEFAULT_CHANGES, MAX_CHANGES)
-    body = await run_blocking(request.app[EXECUTOR], _read, request.app[READER], spike_id, changes)
+    gate = request.app[DIFF_GATE]
+    if not gate.enter("api"):
+        raise ApiError(429, gate.busy(), retry_after=DIFF_RETRY_AFTER_SECONDS)
+    body = await run_blocking(request.app[EXECUTOR], _read, gate, request.app[READER], spike_id, changes)
     if body is None:
         raise ApiError(404, f"spike {spike_id} not found")
+    if body["partial"] is not None:
+        request.app[TELEMETRY].profile_diffs_partial.labels("api").inc()
     return json_response(body)
 
 
@@ -87,7 +113,11 @@ SCHEMAS: dict[str, Any] = {
     "ProcessProfile": schema_object({
         "service": {"type": "string"}, "host": {"type": "string"}, "kind": {"enum": ["cpu", "wall"]},
         "processes": {"type": "array", "items": schema_object({"pid": {"type": "integer"},
-                                                               "process": {"type": "string"}})},
+                                                               "process": {"type": "string"}}),
+                      "description": f"the profiled processes, by pid: at most {MAX_LISTED_PROCESSES}, the "
+                                     "busiest during the spike"},
+        "processes_omitted": {**_COUNT, "description": "profiled processes not listed in processes (0 when all "
+                                                       "are)"},
         "samples_spike": _COUNT, "samples_baseline": _COUNT,
         "culprit": {"anyOf": [{"$ref": "#/components/schemas/FunctionChange"}, {"type": "null"}]},
         "why_unclear": {**nullable("string"), "description": "why no culprit is named (null when one is)"},
@@ -102,7 +132,11 @@ SCHEMAS: dict[str, Any] = {
         "profiles": {"type": "array", "items": {"$ref": "#/components/schemas/ProcessProfile"},
                      "description": "one per profiled service and host, in the causes' order"},
         "reason": {**nullable("string"), "description": "why there is nothing to compare (null when profiles "
-                                                        "were found)"}}),
+                                                        "were found)"},
+        "partial": {**nullable("string"), "description": "what the diff left unread at the collector's bounds "
+                                                         "(distinct stacks, frames, functions, rows), the shares "
+                                                         "being of what was read; null when it read everything "
+                                                         "(docs/profile-diff.md)"}}),
 }
 
 PATHS: dict[str, Any] = {
@@ -111,7 +145,12 @@ PATHS: dict[str, Any] = {
         "parameters": [{"name": "spike_id", "in": "path", "required": True, "schema": {"type": "string"}},
                        limit_query(f"most function changes per process (default {DEFAULT_CHANGES})", MAX_CHANGES)],
         "responses": {**ok_responses("SpikeProfile", "the diff; no profiles: an empty list and a reason"),
-                      **NOT_FOUND}}},
+                      **NOT_FOUND,
+                      "429": {"description": f"{MAX_CONCURRENT_DIFFS} profile diffs (this API's and the spike "
+                                             "pages') are running already; retry after the Retry-After header's "
+                                             "seconds",
+                              "headers": {"Retry-After": {"schema": {"type": "integer", "minimum": 1}}},
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}},
 }
 
 OPENAPI = OpenApiFragment(paths=PATHS, schemas=SCHEMAS)

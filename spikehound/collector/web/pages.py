@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from spikehound.collector.rest.auth import bearer_ok
 from spikehound.collector.rest.common import run_blocking
-from spikehound.collector.spike_profile import SpikeProfile, spike_profile
+from spikehound.collector.spike_profile import DiffGate, SpikeProfile, periods, spike_profile
 from spikehound.collector.storage_health import DATABASE_AWAY, READ_RETRY_AFTER_SECONDS, read_refusal
 from spikehound.collector.web import charts, links, session
 from spikehound.collector.web.streams import streams_now
@@ -34,6 +34,7 @@ from spikehound.collector.web.waterfall import Group, Row, Waterfall, layout, ma
 from spikehound.detectors.stack_diff import percent
 from spikehound.model import Cause, CauseKind, Span, Spike
 from spikehound.storage.reader import Reader
+from spikehound.text import recurrence
 from spikehound.timefmt import NS, parse_time, rfc3339
 
 log = logging.getLogger("spikehound.web")
@@ -156,10 +157,13 @@ class WebPages:
     """The handlers of every page, sharing the API's reader and thread pool."""
 
     def __init__(self, reader: Reader, executor: ThreadPoolExecutor, token: str, registry: CollectorRegistry,
-                 static_url: Callable[[str], str]) -> None:
+                 static_url: Callable[[str], str], diff_gate: DiffGate | None = None,
+                 diff_partial: Counter | None = None) -> None:
         self.reader = reader
         self.executor = executor
         self.token = token
+        self.diff_gate = diff_gate or DiffGate()  # shared with the API's profile route when the app gives one
+        self.diff_partial = diff_partial
         self.rejected = _rejections(registry)
         self.env = jinja2.Environment(loader=jinja2.PackageLoader("spikehound.collector.web", "templates"),
                                       autoescape=True,
@@ -348,8 +352,9 @@ class WebPages:
             for href, _ in view.evidence:
                 if href.startswith("#s-"):
                     cause_marks.setdefault(href[3:], []).append(view.rank)  # the row's anchor
-        profile = spike_profile(r, spike)
+        profile = self._profile(spike)
         return {"spike": spike, "causes": causes, "hosts": hosts, "slow": slow, "normal": normal,
+                "recurrence": self._recurrence(spike),
                 "profile": profile, "profile_rows": PROFILE_ROWS,
                 "slow_id": ids[0] if ids else None, "normal_id": ids[1] if len(ids) > 1 else None,
                 "cause_marks": cause_marks, "collapse_over": COLLAPSE_OVER_ROWS, "most_rows": SPIKE_PAGE_ROWS,
@@ -357,6 +362,28 @@ class WebPages:
                 "chart_data": {"range": [axis.since_ns / NS, axis.until_ns / NS],
                                "window": [start / NS, end / NS], "panels": panels,
                                "flames": _flames(profile)}}
+
+    def _recurrence(self, spike: Spike) -> tuple[str, str] | None:
+        """(the first spike's id, "3rd time in 25 min") for a return of a fault; None for a first spike."""
+        if spike.recurrence_of is None:
+            return None
+        since = spike.start_unix_nano - (spike.first_start_unix_nano or spike.start_unix_nano)
+        return spike.recurrence_of, recurrence(spike.occurrence, since)
+
+    def _profile(self, spike: Spike) -> SpikeProfile:
+        """The spike's profile diff; when as many diffs as the collector runs at once are running, the page is
+        shown without it, saying why (the rest of the page is what an incident needs first)."""
+        if not self.diff_gate.enter("page"):
+            start, end, b_start, b_end = periods(spike, time.time_ns())
+            return SpikeProfile(spike, (start, end), (b_start, b_end), (),
+                                f"The profile diff was not computed: {self.diff_gate.busy()}; reload the page.")
+        try:
+            profile = spike_profile(self.reader, spike)
+        finally:
+            self.diff_gate.leave()
+        if profile.partial is not None and self.diff_partial is not None:
+            self.diff_partial.labels("page").inc()
+        return profile
 
     async def trace_lookup(self, request: web.Request) -> web.Response:
         trace_id = (request.query.get("id") or "").strip()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from spikehound.collector.rest.common import API_TOKEN, EXECUTOR, READER, TELEMETRY
+from spikehound.collector.rest.common import API_TOKEN, DIFF_GATE, EXECUTOR, READER, TELEMETRY
 from spikehound.collector.web.links import PREFIX
 from spikehound.collector.web.pages import WebPages
 
@@ -44,7 +44,8 @@ def add_routes(app: web.Application) -> None:
     static = app.router.add_static(f"{PREFIX}/static", STATIC, name="web-static", append_version=True)
     urls = {p.relative_to(STATIC).as_posix(): str(static.url_for(filename=p.relative_to(STATIC).as_posix()))
             for p in STATIC.rglob("*") if p.is_file()}
-    pages = WebPages(app[READER], app[EXECUTOR], app[API_TOKEN], app[TELEMETRY].registry, urls.__getitem__)
+    pages = WebPages(app[READER], app[EXECUTOR], app[API_TOKEN], app[TELEMETRY].registry, urls.__getitem__,
+                     app.get(DIFF_GATE), app[TELEMETRY].profile_diffs_partial)
     app[WEB_PAGES] = pages
     r = app.router
     r.add_get("/", pages.root)
