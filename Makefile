@@ -21,7 +21,7 @@ TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	sh tests/apt-install.sh prometheus "the Prometheus tests" prometheus promtool
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ingest

@@ -246,7 +246,7 @@ class DetectionConfig:
     grace_windows: int = 12
     # Normal windows the rolling baseline covers (90 x 10 s = 15 minutes).
     baseline_windows: int = 90
-    # Calm windows in a row of a busy stream that end a spike it carried.
+    # Calm windows in a row that resolve a spike.
     resolve_windows: int = 2
     # Judge every caller -> callee edge on the callers' CLIENT spans too (a delay in front of a service).
     hop_streams: bool = True
@@ -258,8 +258,8 @@ class DetectionConfig:
     min_evidence: float = 4.0
     # ... carried by at least this many distinct slow requests ...
     min_slow_requests: int = 2
-    # Evidence toward normal (log10 odds, from the requests through a spike's locus) that ends a spike.
-    end_evidence: float = 3.0
+    # ... and normal requests in a row after which a stream is calm again.
+    resolve_requests: int = 5
     # Spans of recent traces held in memory for attribution (about 300 bytes each).
     trace_buffer_spans: int = 200_000
     # Causes kept per spike.
@@ -354,12 +354,8 @@ class ClusterConfig:
     lead: bool = True
     # Seconds between a member's heartbeats, and between a follower's tries for the leader's lock.
     heartbeat_seconds: float = 1.0
-    # A leader silent this long is deposed (another leads); a process starting under a member's name whose
-    # row is younger than this first watches for its heartbeats.
+    # A member silent this long is gone: the leader stops waiting for its data.
     member_timeout_seconds: float = 10.0
-    # A member silent this long is gone: the leader stops holding the windows for its share. Longer than a
-    # restart under the shipped unit (RestartSec=5, start-up, three heartbeats to take its name back: 10-12 s).
-    member_gone_seconds: float = 30.0
 
 
 @dataclass(slots=True)
@@ -627,16 +623,12 @@ def _url_parts(url: str, where: str, shown: str | None = None) -> SplitResult:
 def _check_cluster(cfg: Config, named: Callable[[str], str]) -> None:
     k = cfg.cluster
     for key, value in {"cluster.heartbeat_seconds": k.heartbeat_seconds,
-                       "cluster.member_timeout_seconds": k.member_timeout_seconds,
-                       "cluster.member_gone_seconds": k.member_gone_seconds}.items():
+                       "cluster.member_timeout_seconds": k.member_timeout_seconds}.items():
         if value <= 0:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     if k.member_timeout_seconds < 2 * k.heartbeat_seconds:
         raise ConfigError(f"{named('cluster.member_timeout_seconds')}: must be at least twice "
                           f"cluster.heartbeat_seconds ({k.heartbeat_seconds:g}), got {k.member_timeout_seconds:g}")
-    if k.member_gone_seconds < k.member_timeout_seconds:
-        raise ConfigError(f"{named('cluster.member_gone_seconds')}: must be at least cluster.member_timeout_seconds "
-                          f"({k.member_timeout_seconds:g}), got {k.member_gone_seconds:g}")
     if k.member and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", k.member):
         raise ConfigError(f"{named('cluster.member')}: expected 1 to 64 letters, digits or \"._:-\", "
                           f"got {k.member!r}")

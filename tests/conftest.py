@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
 from sqlalchemy import Engine, event
+from xdist.scheduler import LoadScopeScheduling
 
 from harness.daemons import CollectorThread, collector_config
 from harness.pgserver import PostgresServer, find_pg_bin
@@ -124,17 +127,38 @@ settings.register_profile("dev", parent=settings.get_profile("ci"), derandomize=
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# make test runs on pytest-xdist with --dist loadscope, which hands out whole modules in collection order. The
-# modules that take a minute or more (measured with --durations=0) go first, longest first, so that none of
-# them starts last and keeps one worker busy after the others are done. Only the order depends on this list.
+# make test runs on pytest-xdist workers. A test goes to whichever worker is free, except that the tests of a
+# module with a module- or class-scoped fixture (a demo run, a scenario suite, a browser, a module's own
+# PostgreSQL server) all go to one worker, so that the fixture is built once. The modules that take a minute or
+# more (measured with --durations=0) go first, longest first, so that none of them starts last and keeps one
+# worker busy after the others are done. Only the order depends on this list.
 LONGEST_FIRST = (
-    "test_image.py", "test_scale_out.py", "test_demo.py", "test_detection_suite.py", "test_agent.py",
-    "test_detection_live.py", "test_storage_faults.py", "test_cluster.py", "test_detection_recurrence.py",
+    "test_scale_out.py", "test_demo.py", "test_detection_suite.py", "test_image.py", "test_agent.py",
+    "test_detection_live.py", "test_storage_faults.py", "test_cluster.py",
     "test_detection_continuity.py", "test_web_browser.py", "test_alert_live.py", "test_web_pages.py",
     "test_fuzz.py", "test_profiler.py", "test_ingest_sdk.py", "test_distribution.py",
 )
+# What marks a module whose tests share a fixture: its own wider-scoped fixtures, or conftest's.
+_SHARED = re.compile(r'scope="(module|class|package)"|\b(planned|own_pg_server)\b')
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@functools.cache
+def _shares_fixtures(module: Path) -> bool:
+    return module.is_file() and bool(_SHARED.search(module.read_text()))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Test by test, but a module that shares a fixture as one unit, in collection order (LONGEST_FIRST)."""
+    config.option.loadscopereorder = False  # xdist would order the units by their number of tests
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _shares_fixtures(config.rootpath / module) else nodeid
+
+    return SharedFixtureScheduling(config, log)

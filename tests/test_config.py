@@ -399,3 +399,4 @@ def test_rfc3339_and_parse_time_round_trip():
     for _ in range(1000):
         unix_nano = rng.randrange(-(2**62), 2**62)
         assert parse_time(rfc3339(unix_nano)) == unix_nano
+

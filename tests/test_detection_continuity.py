@@ -24,7 +24,7 @@ from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.resource import ResourceWatch
 from spikehound.detectors.settings import DetectionSettings
-from spikehound.model import MetricKind, MetricPoint, Span
+from spikehound.model import MetricKind, MetricPoint, Span, Spike
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
 from spikehound.storage import schema
@@ -53,6 +53,37 @@ def test_spans_seen_twice_do_not_change_the_windows():
     assert once.flush().windows == twice.flush().windows
     assert twice.stats()["duplicate_spans"] > 0
     assert once.stats()["duplicate_spans"] == 0
+
+
+def _slow_db_spikes(restart_at_s: int | None = None, hold_at_s: int | None = None) -> list[Spike]:
+    """The spikes of a one-minute fault, each in its last state, as one engine finds them: restarted at
+    ``restart_at_s`` from its checkpoint with the open windows' traces read back (as a restart or a leader's
+    takeover does), and with event time held at ``hold_at_s`` at the end, then let go (a leader waiting for a
+    member): the windows after the fault then close in two steps, not one."""
+    settings = DetectionSettings(allowed_lateness_ns=30 * NS)
+    scenario = Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
+    engine, fed, last = DetectionEngine(settings), [], {}
+    for i, batch in enumerate(scenario.batches()):
+        if i == restart_at_s:
+            engine = DetectionEngine.restore(settings, engine.snapshot())
+            since = engine.windows.earliest_open_ns - settings.window_ns
+            engine.traces.add([sp for sp in fed if sp.end_unix_nano >= since])
+        engine.add(batch.spans, batch.points)
+        fed.extend(batch.spans)
+        last.update((sp.id, sp) for sp in engine.advance().spikes)
+    if hold_at_s is not None:
+        engine.hold(scenario.start_ns + hold_at_s * NS)
+        last.update((sp.id, sp) for sp in engine.advance(100 * NS).spikes)
+        engine.hold(None)
+    last.update((sp.id, sp) for sp in engine.flush().spikes)
+    return list(last.values())
+
+
+def test_a_spike_is_stored_alike_however_its_windows_were_stepped_through_and_restarted():
+    reference = _slow_db_spikes()
+    assert [(sp.state, len(sp.exemplar_trace_ids)) for sp in reference] == [("resolved", 2)]
+    for restart_at_s, hold_at_s in ((252, None), (None, 290), (252, 290)):
+        assert _slow_db_spikes(restart_at_s, hold_at_s) == reference, (restart_at_s, hold_at_s)
 
 
 def test_metric_points_seen_twice_do_not_change_resource_detection():

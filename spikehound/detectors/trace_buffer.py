@@ -192,15 +192,6 @@ class TraceBuffer:
                     stack.append(child[0])
         return list(out)
 
-    def trace_start(self, trace_id: bytes) -> int | None:
-        """When the buffered part of a trace began (None when it is not buffered)."""
-        records = self._traces.get(trace_id)
-        return min(r[5] for r in records) if records else None
-
-    def touches(self, trace_id: bytes, service: str) -> bool:
-        """Whether a buffered span of the trace belongs to ``service`` (False when the trace is unknown)."""
-        return any(r[2] == service for r in self._traces.get(trace_id, ()))
-
     def __contains__(self, trace_id: bytes) -> bool:
         return trace_id in self._traces
 

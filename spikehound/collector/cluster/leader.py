@@ -110,7 +110,7 @@ class DetectionLeader:
         # Members the windows wait for: heartbeats stopped, not yet gone (name -> since when, by clock()) ...
         self._missing: dict[str, float] = {}
         self._started: dict[str, int] = {}  # ... and each member's start, to see it restart
-        self._gone: set[str] = set()  # missing past cluster.member_gone_seconds (said once)
+        self._gone: set[str] = set()  # missing past cluster.member_timeout_seconds (said once)
         self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)  # a returned member's backlog
         self._last_input = clock()
         self._campaign_error: str | None = None  # the kind of the last failure, logged once while it repeats
@@ -335,16 +335,13 @@ class DetectionLeader:
             if self.catch_up.active:
                 self.catch_up.arrived([sp.end_unix_nano for sp in row.spans], engine.windows.hold)
             keep(engine.advance())
-        # Only spans move event time: agents' host metrics keep coming when span traffic stops (a quiet night,
-        # a dead service), and the last windows, with any spike open in them, must still close.
-        spans = any(row.spans for row in rows)
-        if spans:
+        if rows:
             self._last_input = self.clock()
         if engine.windows.hold is not None and not self._missing and (
                 not self.catch_up.active or self.catch_up.done()):
             steps = close_held(engine, self.settings.window_ns, lambda: keep(engine.advance()))
             log.info("the windows wait for no member any more: those held were closed in %d step(s)", steps)
-        elif not spans and not any(self._waiting.values()):
+        elif not rows and not any(self._waiting.values()):
             c = self.cfg.collector
             idle = self.clock() - self._last_input
             if idle >= c.idle_flush_seconds:
@@ -364,7 +361,7 @@ class DetectionLeader:
     def _watch(self, members: list[cluster.Member]) -> None:
         """Hold the windows while a member is missing: its heartbeats stopped (it died, hangs, or lost the
         database) and it is not yet gone. Its agents hold its share meanwhile; windows closed over it would
-        count that share late. Gone after ``cluster.member_gone_seconds``: the windows close without it
+        count that share late. Gone after ``cluster.member_timeout_seconds``: the windows close without it
         (judged on the others' share). Back after a restart, or after longer than the lateness allowed, its
         agents' backlog arrives: the windows wait for it as one collector waits for its senders' backlogs
         after a restart (CatchUp)."""
@@ -375,7 +372,7 @@ class DetectionLeader:
             restarted = started is not None and m.started_at != started
             self._started[m.member] = m.started_at
             since = self._missing.get(m.member)
-            if m.age_s > k.member_gone_seconds:
+            if m.age_s > k.member_timeout_seconds:
                 if m.member not in self._gone and (since is not None or started is not None):
                     log.warning("member %s is gone (no heartbeat for %.0f s): the windows close without its share "
                                 "until it is back", m.member, m.age_s)
@@ -384,7 +381,7 @@ class DetectionLeader:
             elif m.age_s > late:
                 if since is None:
                     log.warning("member %s has sent no heartbeat for %.1f s: the windows wait for it (at most "
-                                "cluster.member_gone_seconds, %g s)", m.member, m.age_s, k.member_gone_seconds)
+                                "cluster.member_timeout_seconds, %g s)", m.member, m.age_s, k.member_timeout_seconds)
                     self._missing[m.member] = now
             elif since is not None and now - since < late + POLL_SECONDS and not restarted:
                 pass  # a previous leader, held missing at the takeover, until its heartbeats say
