@@ -246,6 +246,22 @@ def test_an_agent_named_as_its_own_collector_leaves_itself_out_says_so_once_and_
     assert agent.terminate(30) == 0, agent.log_tail()
 
 
+def _sent_and_stored_once(agent: AgentProcess, db: Path) -> set[tuple[str, str]]:
+    """20 traces sent through ``agent``: each span stored once in ``db``, host samples forwarded, no loop."""
+    sender = TraceSender(agent.grpc_endpoint)
+    try:
+        sender.send(20)
+    finally:
+        sender.stop()
+    sent = sender.sent()
+    eventually(lambda: stored_spans(db) >= sent, "every span stored", 20)
+    eventually(lambda: agent.metric("spikehound_agent_forward_requests_total", signal="metrics") >= 2,
+               "two requests of host samples forwarded", 20)
+    assert stored_spans(db) == sent
+    _loop_free(agent, len(sent))
+    return sent
+
+
 def test_an_agent_listed_beside_a_collector_sends_everything_to_the_collector_once(tmp_path: Path, agents):
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'c.db'}")) as collector:
         agent = new_agent(agents, tmp_path)
@@ -253,17 +269,7 @@ def test_an_agent_listed_beside_a_collector_sends_everything_to_the_collector_on
         write_members(path, [agent.grpc_endpoint, collector.grpc_endpoint])
         agent.collector = f"file://{path}"
         agent.start()
-        sender = TraceSender(agent.grpc_endpoint)
-        try:
-            sender.send(20)
-        finally:
-            sender.stop()
-        sent = sender.sent()
-        eventually(lambda: stored_spans(tmp_path / "c.db") >= sent, "every span stored", 20)
-        eventually(lambda: agent.metric("spikehound_agent_forward_requests_total", signal="metrics") >= 2,
-                   "two requests of host samples forwarded", 20)
-        assert stored_spans(tmp_path / "c.db") == sent
-        _loop_free(agent, len(sent))
+        _sent_and_stored_once(agent, tmp_path / "c.db")
         assert agent.metric("spikehound_agent_collector_members") == 1
         assert agent.metric("spikehound_agent_self_members_total", reason="address") == 1
         assert agent.log_text().count("own OTLP listen address") == 1
@@ -281,19 +287,9 @@ def test_a_loop_through_a_proxy_is_detected_counted_and_broken_and_nothing_is_lo
             write_members(path, [relayed, collector.grpc_endpoint])
             agent.collector = f"file://{path}"
             agent.start()
-            sender = TraceSender(agent.grpc_endpoint)
-            try:
-                sender.send(20)
-            finally:
-                sender.stop()
-            sent = sender.sent()
+            sent = _sent_and_stored_once(agent, tmp_path / "c.db")
             ring = Rendezvous([relayed, collector.grpc_endpoint])
             assert {ring.owner(bytes.fromhex(t)) for t, _ in sent} == {relayed, collector.grpc_endpoint}
-            eventually(lambda: stored_spans(tmp_path / "c.db") >= sent, "every span stored, the relay's too", 20)
-            eventually(lambda: agent.metric("spikehound_agent_forward_requests_total", signal="metrics") >= 2,
-                       "two requests of host samples forwarded", 20)
-            assert stored_spans(tmp_path / "c.db") == sent
-            _loop_free(agent, len(sent))
             assert agent.metric("spikehound_agent_forward_loops_total") >= 1
             assert agent.metric("spikehound_agent_self_members_total", reason="loop") == 1
             assert agent.metric("spikehound_agent_collector_members") == 1

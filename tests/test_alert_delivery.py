@@ -359,7 +359,8 @@ def test_dead_letters_are_visible_through_the_api_and_can_be_sent_again(db_url, 
 
         # Fixed: send it again by hand.
         r = api.post(f"/api/v1/alerts/outbox/{dead['id']}/retry")
-        assert r.status_code == 200 and r.json()["state"] == "pending"
+        # The answer is the row as it stands: queued again, or already delivered when delivery was that quick.
+        assert r.status_code == 200 and r.json()["state"] in ("pending", "delivered")
         eventually(lambda: any(n["id"] == dead["id"] for n in outbox(running, "delivered")), "redelivery")
         again = api.post(f"/api/v1/alerts/outbox/{dead['id']}/retry")
         assert again.status_code == 409 and "delivered" in again.json()["error"]

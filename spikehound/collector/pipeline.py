@@ -309,8 +309,13 @@ class IngestPipeline:
         while not (self._stopping and not self.queue.pending()):
             taken = await self.queue.take(c.batch_max_items, timeout=TICK_SECONDS)
             if taken:
-                self._last_input = self.clock()
+                # Only spans move event time: agents' host metrics keep coming when span traffic stops (a quiet
+                # night, a dead service), and the last windows, with any spike open in them, must still close.
+                if any(sub.spans for sub in taken):
+                    self._last_input = self.clock()
                 await self._commit(taken)
+                if self.clock() - self._last_input >= c.idle_flush_seconds:
+                    await self._tick()
             else:
                 await self._tick()
             # Also under continuous ingest: a SIGKILL loses at most checkpoint_seconds of learned state.

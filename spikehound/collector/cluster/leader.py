@@ -335,13 +335,16 @@ class DetectionLeader:
             if self.catch_up.active:
                 self.catch_up.arrived([sp.end_unix_nano for sp in row.spans], engine.windows.hold)
             keep(engine.advance())
-        if rows:
+        # Only spans move event time: agents' host metrics keep coming when span traffic stops (a quiet night,
+        # a dead service), and the last windows, with any spike open in them, must still close.
+        spans = any(row.spans for row in rows)
+        if spans:
             self._last_input = self.clock()
         if engine.windows.hold is not None and not self._missing and (
                 not self.catch_up.active or self.catch_up.done()):
             steps = close_held(engine, self.settings.window_ns, lambda: keep(engine.advance()))
             log.info("the windows wait for no member any more: those held were closed in %d step(s)", steps)
-        elif not rows and not any(self._waiting.values()):
+        elif not spans and not any(self._waiting.values()):
             c = self.cfg.collector
             idle = self.clock() - self._last_input
             if idle >= c.idle_flush_seconds:
