@@ -142,9 +142,17 @@ LONGEST_FIRST = (
 _SHARED = re.compile(r'scope="(module|class|package)"|\b(planned|own_pg_server)\b')
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    """Longest modules first; after any shuffle (pytest-randomly wraps inside this, being registered earlier),
+    a test marked ``ends_shared_fixture`` moves behind the rest of its module, since it ends what they share."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    yield
+    for item in [item for item in items if item.get_closest_marker("ends_shared_fixture")]:
+        items.remove(item)
+        same_module = [i for i, other in enumerate(items) if other.path == item.path]
+        items.insert(same_module[-1] + 1 if same_module else len(items), item)
 
 
 @functools.cache

@@ -228,6 +228,7 @@ def test_the_cpu_faults_spike_page_shows_the_burning_function_first(demo: DemoRu
 
 
 @pytest.mark.slow
+@pytest.mark.ends_shared_fixture
 def test_the_demo_exits_0_when_its_kept_collector_is_stopped(demo: DemoRun):
     assert demo.stop() == 0, demo.output[-3000:]
     assert "finished in" in demo.output

@@ -54,7 +54,8 @@ def busy_child() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A real process burning one core, with a token in its command line to find it by."""
     token = f"spikehound-busy-{uuid.uuid4().hex[:12]}"
     child = subprocess.Popen([sys.executable, "-c", f"while True: pass  # {token}"])
-    time.sleep(0.2)  # let it get past interpreter start-up into the loop
+    # Past interpreter start-up and into the loop: it has burned CPU time.
+    eventually(lambda: sum(psutil.Process(child.pid).cpu_times()[:2]) > 0.1, "the child to be busy", 10)
     yield child, token
     child.kill()
     child.wait()

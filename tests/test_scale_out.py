@@ -282,13 +282,13 @@ def test_a_collector_added_and_removed_during_ingest_splits_no_trace_and_loses_n
         sender = TraceSender(agent.grpc_endpoint).start()
         with ExitStack() as sending:
             sending.callback(sender.stop)
-            time.sleep(2.5)
+            _traffic_flows(sender)
             write(endpoints)  # a third collector joins
             eventually(lambda: agent.metric("spikehound_agent_collector_members") == 3, "the third to join", 10)
-            time.sleep(2.5)
+            _traffic_flows(sender)
             write(endpoints[1:])  # the first leaves (it keeps running: what the agent holds for it goes to it)
             eventually(lambda: agent.metric("spikehound_agent_collector_members") == 2, "the first to leave", 10)
-            time.sleep(2.5)
+            _traffic_flows(sender)
         sent = sender.sent()
         eventually(lambda: set().union(*_shares(running, pg_url).values()) >= sent, "every span stored", 30)
         shares = _shares(running, pg_url)
@@ -297,6 +297,12 @@ def test_a_collector_added_and_removed_during_ingest_splits_no_trace_and_loses_n
     where = whole_traces(shares)  # fails on a trace in two shares, or a span stored by two collectors
     assert set().union(*shares.values()) == sent
     assert {where[t] for t, _ in sent} == {"member-0", "member-1", "member-2"}
+
+
+def _traffic_flows(sender: TraceSender, spans: int = 60) -> None:
+    """Wait until the agent has taken ``spans`` more spans under the membership of the moment."""
+    before = len(sender.sent())
+    eventually(lambda: len(sender.sent()) >= before + spans, f"{spans} more spans through the agent", 20)
 
 
 def _shares(running: Sequence[CollectorThread], db_url: str) -> dict[str, set[tuple[str, str]]]:
