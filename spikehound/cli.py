@@ -21,7 +21,8 @@ from typing import Any
 
 from spikehound import __version__
 from spikehound.config import Config, ConfigError, HostPort, check_otlp_exposure, effective, load, to_toml
-from spikehound.text import printable
+from spikehound.text import printable, recurrence
+from spikehound.timefmt import parse_time
 
 DEFAULT_API_URL = "http://127.0.0.1:8470"
 
@@ -203,6 +204,8 @@ def cmd_spike(args: argparse.Namespace) -> int:
     print(_safe(f"spike {spike['id']} ({spike['state']}) on {caller}{spike['service']} {spike['operation']}"))
     print(_safe(f"  from {spike['start']} to {spike['end'] or 'now'}: p99 {spike['p99_ms']:.1f} ms "
                 f"against a baseline of {spike['baseline_p99_ms']:.1f} ms"))
+    if spike.get("recurrence_of"):
+        print(_safe(f"  {_recurrence_line(spike)}"))
     for rank, cause in enumerate(spike["causes"], 1):
         print(_safe(f"  {rank}. [{cause['kind']}] {cause['summary']} "
                     f"(explains {cause['score']:.0%} of the added latency)"))
@@ -221,6 +224,12 @@ def cmd_spike(args: argparse.Namespace) -> int:
 
     print(_safe(f"  page  {spike_page_url(args.api_url, spike['id'])}"))
     return 0
+
+
+def _recurrence_line(spike: dict[str, Any]) -> str:
+    """"the same fault again: 3rd time in 25 min (first: spike X)"."""
+    since = parse_time(spike["start"]) - parse_time(spike["first_start"]) if spike.get("first_start") else 0
+    return f"the same fault again: {recurrence(spike['occurrence'], since)} (first: spike {spike['recurrence_of']})"
 
 
 PROFILE_CHANGES_SHOWN = 3

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
@@ -34,6 +35,8 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 from spikehound.endpoints import parse_collectors
 from spikehound.model import CauseKind
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "SPIKEHOUND_"
 ENV_CONFIG_FILE = "SPIKEHOUND_CONFIG"  # names the TOML file; not itself a setting
@@ -246,7 +249,7 @@ class DetectionConfig:
     grace_windows: int = 12
     # Normal windows the rolling baseline covers (90 x 10 s = 15 minutes).
     baseline_windows: int = 90
-    # Calm windows in a row that resolve a spike.
+    # Calm windows in a row of a busy stream that end a spike it carried.
     resolve_windows: int = 2
     # Judge every caller -> callee edge on the callers' CLIENT spans too (a delay in front of a service).
     hop_streams: bool = True
@@ -258,8 +261,8 @@ class DetectionConfig:
     min_evidence: float = 4.0
     # ... carried by at least this many distinct slow requests ...
     min_slow_requests: int = 2
-    # ... and normal requests in a row after which a stream is calm again.
-    resolve_requests: int = 5
+    # Evidence toward normal (log10 odds, from the requests through a spike's locus) that ends a spike.
+    end_evidence: float = 3.0
     # Spans of recent traces held in memory for attribution (about 300 bytes each).
     trace_buffer_spans: int = 200_000
     # Causes kept per spike.
@@ -354,8 +357,12 @@ class ClusterConfig:
     lead: bool = True
     # Seconds between a member's heartbeats, and between a follower's tries for the leader's lock.
     heartbeat_seconds: float = 1.0
-    # A member silent this long is gone: the leader stops waiting for its data.
+    # A leader silent this long is deposed (another leads); a process starting under a member's name whose
+    # row is younger than this first watches for its heartbeats.
     member_timeout_seconds: float = 10.0
+    # A member silent this long is gone: the leader stops holding the windows for its share. Longer than a
+    # restart under the shipped unit (RestartSec=5, start-up, three heartbeats to take its name back: 10-12 s).
+    member_gone_seconds: float = 30.0
 
 
 @dataclass(slots=True)
@@ -385,6 +392,11 @@ class Config:
 
 
 SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
+# Settings that no longer exist, and what took their place: a config that still sets one starts, with a
+# warning that names the key, instead of failing on an upgrade.
+RETIRED = {
+    "detection.resolve_requests": "a spike now ends on evidence toward normal: see detection.end_evidence",
+}
 
 
 def load(path: str | os.PathLike[str] | None = None, *, env: typing.Mapping[str, str] | None = None,
@@ -402,7 +414,7 @@ def load(path: str | os.PathLike[str] | None = None, *, env: typing.Mapping[str,
     for name, value in env.items():
         if name.startswith(ENV_PREFIX) and name not in ENV_NOT_SETTINGS:
             key = _env_key(name)
-            if _known(cfg, key):
+            if _known(cfg, key) or key in RETIRED:
                 sources[key] = _assign(cfg, key, value, name)
             else:
                 unknown.append((name, key))
@@ -458,6 +470,9 @@ def _known(cfg: Config, key: str) -> bool:
 def _assign(cfg: Config, key: str, raw: Any, source: str) -> str:
     section_name, _, name = key.rpartition(".")
     target: Any = getattr(cfg, section_name, None) if section_name else cfg
+    if key in RETIRED:
+        log.warning("%s (from %s): retired and ignored; %s", key, source, RETIRED[key])
+        return source
     if not _known(cfg, key):
         raise ConfigError(f"{key} (from {source}): unknown setting")
     hint = typing.get_type_hints(type(target))[name]
@@ -623,12 +638,16 @@ def _url_parts(url: str, where: str, shown: str | None = None) -> SplitResult:
 def _check_cluster(cfg: Config, named: Callable[[str], str]) -> None:
     k = cfg.cluster
     for key, value in {"cluster.heartbeat_seconds": k.heartbeat_seconds,
-                       "cluster.member_timeout_seconds": k.member_timeout_seconds}.items():
+                       "cluster.member_timeout_seconds": k.member_timeout_seconds,
+                       "cluster.member_gone_seconds": k.member_gone_seconds}.items():
         if value <= 0:
             raise ConfigError(f"{named(key)}: must be greater than 0, got {value}")
     if k.member_timeout_seconds < 2 * k.heartbeat_seconds:
         raise ConfigError(f"{named('cluster.member_timeout_seconds')}: must be at least twice "
                           f"cluster.heartbeat_seconds ({k.heartbeat_seconds:g}), got {k.member_timeout_seconds:g}")
+    if k.member_gone_seconds < k.member_timeout_seconds:
+        raise ConfigError(f"{named('cluster.member_gone_seconds')}: must be at least cluster.member_timeout_seconds "
+                          f"({k.member_timeout_seconds:g}), got {k.member_gone_seconds:g}")
     if k.member and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", k.member):
         raise ConfigError(f"{named('cluster.member')}: expected 1 to 64 letters, digits or \"._:-\", "
                           f"got {k.member!r}")

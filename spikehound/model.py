@@ -299,3 +299,8 @@ class Spike:
     detected_unix_nano: int | None = None  # the event-time watermark at which the detector opened it
     peer_service: str | None = None
     affected: tuple[AffectedStream, ...] = ()
+    # A return of an earlier spike at the same place (within detection's recurrence window): the first spike
+    # of the chain, and which occurrence this is (1 for a first spike).
+    recurrence_of: str | None = None
+    occurrence: int = 1
+    first_start_unix_nano: int | None = None  # a return: the start of the chain's first spike

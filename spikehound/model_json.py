@@ -51,7 +51,9 @@ def spike_from_json(doc: dict[str, Any]) -> Spike:
                  causes=tuple(cause_from_json(c) for c in doc["causes"]),
                  exemplar_trace_ids=tuple(bytes.fromhex(t) for t in doc.get("exemplar_trace_ids", ())),
                  peer_service=doc.get("peer_service"),
-                 affected=tuple(affected_from_json(a) for a in doc.get("affected_streams", ())))
+                 affected=tuple(affected_from_json(a) for a in doc.get("affected_streams", ())),
+                 recurrence_of=doc.get("recurrence_of"), occurrence=doc.get("occurrence", 1),
+                 first_start_unix_nano=parse_time(doc["first_start"]) if doc.get("first_start") else None)
 
 
 def ns_of_ms(ms: float) -> int:
@@ -90,4 +92,6 @@ def spike_json(s: Spike) -> dict[str, Any]:
                                   "last_anomalous_end": rfc3339(a.last_anomalous_end_unix_nano),
                                   "p99_ms": a.p99_ns / 1e6, "baseline_p99_ms": a.baseline_p99_ns / 1e6,
                                   "evidence": a.evidence, "slow_requests": a.slow_requests}
-                                 for a in s.affected]}
+                                 for a in s.affected],
+            "recurrence_of": s.recurrence_of, "occurrence": s.occurrence,
+            "first_start": rfc3339(s.first_start_unix_nano)}

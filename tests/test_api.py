@@ -116,7 +116,8 @@ def test_spikes_are_served_in_the_brief_shape(tmp_path: Path):
              "baseline_p99_ms": 40.0, "evidence": 9.5, "slow_requests": 12},
             {"service": "model-server", "operation": "POST /infer", "peer_service": "gateway",
              "start": "2023-11-14T22:13:20Z", "last_anomalous_end": "2023-11-14T22:13:30Z", "p99_ms": 251.0,
-             "baseline_p99_ms": 8.0, "evidence": 7.25, "slow_requests": 12}]}
+             "baseline_p99_ms": 8.0, "evidence": 7.25, "slow_requests": 12}],
+        "recurrence_of": None, "occurrence": 1, "first_start": None}
     # A service is found by the streams the spike moved, not only by the one that leads it.
     assert [s["id"] for s in moved["spikes"]] == ["sp1"] and unmoved["spikes"] == []
 

@@ -245,9 +245,10 @@ def _leads(member: CollectorProcess) -> bool:
 
 def test_the_windows_wait_for_a_missing_member_until_it_is_gone(pg_url: str, caplog: pytest.LogCaptureFixture):
     """A member whose heartbeats stop holds the windows (its agents keep its share meanwhile) for at most
-    cluster.member_timeout_seconds; then they close on the others' share."""
+    cluster.member_gone_seconds; then they close on the others' share."""
     bodies = scenario_requests(_scenario())
-    leader_first, other = _members(pg_url, 2, cluster__heartbeat_seconds=0.5, cluster__member_timeout_seconds=10)
+    leader_first, other = _members(pg_url, 2, cluster__heartbeat_seconds=0.5, cluster__member_timeout_seconds=10,
+                                   cluster__member_gone_seconds=10)
     with leader_first:
         eventually(lambda: leader_first.metric("spikehound_cluster_leader") == 1, "the first member to lead")
         with other:

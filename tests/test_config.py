@@ -198,6 +198,21 @@ def test_a_missing_file_is_one_line(tmp_path):
         load(tmp_path / "nope.toml", env={})
 
 
+def test_a_retired_setting_starts_with_a_warning_naming_it_and_what_replaced_it(tmp_path, caplog):
+    """An upgrade must not stop a collector whose file still sets what a release retired."""
+    path = write(tmp_path, "[detection]\nresolve_requests = 5\nend_evidence = 2.5\n")
+    with caplog.at_level("WARNING", logger="spikehound.config"):
+        cfg = load(path, env={"SPIKEHOUND_DETECTION_RESOLVE_REQUESTS": "7"})
+    assert cfg.detection.end_evidence == 2.5
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"detection.resolve_requests (from {path}): retired") and "end_evidence" in m
+               for m in warned), warned
+    assert any(m.startswith("detection.resolve_requests (from SPIKEHOUND_DETECTION_RESOLVE_REQUESTS): retired")
+               for m in warned), warned
+    with pytest.raises(ConfigError, match=r"^detection\.resolve_request \(from .*typo\.toml\): unknown setting$"):
+        load(write(tmp_path, "[detection]\nresolve_request = 5\n", "typo.toml"), env={})
+
+
 @pytest.mark.parametrize(("api", "token", "ok"), [
     ("0.0.0.0:8470", "", False),
     ("[::]:8470", "", False),

@@ -38,7 +38,7 @@ def _group(locus: str, slow: dict[StreamKey, list[tuple[int, float, float]]], ro
         j = _judgement(stream, stream in roots, sum(g for _, g, _ in requests))
         for trace, gain, end_s in requests:
             e.slow.append(SlowRequest(trace.to_bytes(16, "big"), b"s" * 8, 2 * NS, T0 + int(end_s * NS), T0, gain))
-            group.add(j, trace.to_bytes(16, "big"), gain, T0 + int(end_s * NS))
+            group.add(j, trace.to_bytes(16, "big"), gain, T0 + int(end_s * NS), 2 * NS)
     return group, evidence
 
 

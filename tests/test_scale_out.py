@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 SECRET = "scale-out-signing-secret"
 SPEED = 8.0  # scenario seconds per wall-clock second
+UNIT_RESTART_SEC = 5.0  # systemd/spikehound-collector.service: RestartSec=5
 ENTRY_HOST = "edge-1"  # the agent of the gateway's host
 GPU_HOST = "gpu-pool"  # the agent of the services' hosts
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -230,17 +231,22 @@ def test_three_collectors_find_what_one_finds_and_a_killed_leader_loses_and_repe
         new = eventually(lambda: _leader(collectors), "another collector to lead", timeout=30, every=0.2)
         failover_s = time.monotonic() - killed
         # Traffic goes on. The killed member's share waits in the agents' spools until it is back (it is not sent
-        # elsewhere mid-trace), as a unit's Restart= brings it back; the new leader holds the windows for it.
+        # elsewhere mid-trace), as the shipped unit's Restart= brings it back, RestartSec=5 after the kill; the
+        # new leader holds the windows for it.
         traffic.send_until(onset + 45)
+        time.sleep(max(0.0, killed + UNIT_RESTART_SEC - time.monotonic()))  # the unit's own delay, not a guess
         old.start()
         traffic.send_rest()
         spikes = _resolved(new.api)
         hook.wait_events(2, timeout=60)
         stored = _stored_span_ids(url)
         takeovers = sum(_metric(c.api, "spikehound_cluster_leader_takeovers_total") for c in collectors)
+        late = _metric(new.api, "spikehound_latency_late_spans_total")
 
     assert failover_s <= 15, f"another collector led {failover_s:.1f} s after the leader's SIGKILL"
     assert takeovers >= 1
+    # Back after the unit's delay, within cluster.member_gone_seconds: none of its share was counted late.
+    assert late == 0
     # The spike open at the kill is the one the cluster ends with: same id, not lost, not opened again, and
     # every field as one collector found it.
     assert [s["id"] for s in before] == [s["id"] for s in spikes] == [s["id"] for s in reference]

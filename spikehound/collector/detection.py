@@ -36,7 +36,7 @@ def detection_settings(cfg: Config) -> DetectionSettings:
         grace_requests=d.grace_requests,
         min_evidence=d.min_evidence,
         min_slow_requests=d.min_slow_requests,
-        resolve_requests=d.resolve_requests,
+        end_evidence=d.end_evidence,
         trace_buffer_spans=d.trace_buffer_spans,
         max_causes=d.max_causes,
     )

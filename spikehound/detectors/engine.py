@@ -44,7 +44,7 @@ from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Me
 __all__ = ["CHECKPOINT_FORMAT", "Detection", "DetectionEngine"]
 
 # Bump when the pickled state's layout changes: an older checkpoint is then ignored, not misread.
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3
 MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outage of the gateway moves them all
 _WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows
@@ -77,6 +77,7 @@ class DetectionEngine:
                                       max_streams=s.max_streams, hops=s.hop_streams and s.enabled,
                                       route_of=self.traces.callees_of if s.split_generic else None)
         self.judge = StreamJudge(s)
+        self.judge.trace_start = self.traces.trace_start
         self.incidents = IncidentBook(s)
         self.resources = ResourceWatch(window_ns=s.window_ns, max_series=s.max_resource_series,
                                        keep_windows=s.resource_flag_windows)
@@ -161,6 +162,7 @@ class DetectionEngine:
         engine.windows = windows
         engine.judge = state["judge"]
         engine.judge.settings = settings
+        engine.judge.trace_start = engine.traces.trace_start
         engine.incidents = state["incidents"]
         engine.incidents.settings = settings
         engine.resources = state["resources"]
@@ -228,20 +230,26 @@ class DetectionEngine:
         if watermark is None:
             return out
         changed: dict[str, Incident] = {}
+        # Each spike as it stood right after the windows that changed it were judged, so that it reads the same
+        # however many windows one step closes (a restart, a leader's takeover, a held watermark let go).
+        spikes: dict[str, Spike] = {}
         # Detection happens when the latest event time seen reaches the window's end plus the lateness.
         now = watermark + s.allowed_lateness_ns
         try:
             for _, windows in groupby(closed, key=lambda w: w.start_unix_nano):
-                for event in self._judge_windows(list(windows), now):
-                    self._on_event(event)
+                events = self._judge_windows(list(windows), now)
+                for event in events:
+                    if event.kind != "resolved":
+                        self._on_event(event)
                     changed[event.incident.id] = event.incident
+                for event in events:
+                    spikes[event.incident.id] = self._spike(event.incident)
         finally:
             self._step_traces.clear()
-        for event in self.incidents.resolve(lambda stream: self.judge.is_calm(stream, watermark)):
-            for stream in event.incident.members:
-                self.judge.release(stream)
+        for event in self._end(watermark):  # the time rule, when the locus's requests stopped
             changed[event.incident.id] = event.incident
-        out.spikes = [self._spike(incident) for incident in changed.values()]
+            spikes[event.incident.id] = self._spike(event.incident)
+        out.spikes = list(spikes.values())
         for incident in changed.values():
             if incident.end_ns is not None:
                 self._causes.pop(incident.id, None)
@@ -264,13 +272,78 @@ class DetectionEngine:
         events = []
         if hot:
             groups = self._groups(hot)
+            self._unclaim(groups)
             _with_their_roots(groups, [j for j in judgements if j.root and not j.hot])
             events = self.incidents.step(groups, self.judge.evidence, self.judge.warm_streams(now_ns), now_ns)
+        self._watch_ends(judgements)
+        events += self._end(windows[0].end_unix_nano)
+        q = self.settings.quarantine_before_ns
+        self.judge.quarantine = [(i.start_ns - q, i.end_ns)
+                                 for i in (*self.incidents.ended, *self.incidents.open_incidents)]
         for j in judgements:
             incident = self.incidents.incident_of(j.stream)
             self.judge.settle(j, incident.id if incident is not None else None)
-            if incident is None and not j.hot:
+            if incident is None and not j.hot and not (
+                    (j.evidence > 0.0 or j.elevated) and self.judge.unclaimed(j.samples) is not j.samples):
                 self._learn_normal(j)
+        return events
+
+    def _unclaim(self, groups: list[Group]) -> None:
+        """Take out of each group the slow traces that began before a spike at its place ended: the last
+        requests of a fault that ended (a long request started while it lasted) are not its return."""
+        for group in groups:
+            ends = [i.end_ns for i in self.incidents.ended
+                    if i.end_ns is not None and (group.locus in i.loci or i.locus in group.loci)]
+            if not ends or group.locus in {i.locus for i in self.incidents.open_incidents}:
+                continue
+            end = max(ends)
+            for trace_id in list(group.traces):
+                began = self.traces.trace_start(trace_id)
+                if began is not None and began < end:
+                    del group.traces[trace_id]
+                    for seen in group.by_stream.values():
+                        seen.discard(trace_id)
+
+    def _watch_ends(self, judgements: list[Judgement]) -> None:
+        """Feed each open incident the requests of its streams through its locus: evidence toward its end.
+
+        A request counts when it is a call into the locus (on any hop stream into it, affected or not), or
+        it is of an affected stream that carried some of the incident's slow requests and its trace went
+        through the locus; a busy stream whose window test fired in the incident counts by windows.
+        """
+        s = self.settings
+        for incident in self.incidents.open_incidents:
+            views: list[tuple[int, bytes, bool, int]] = []
+            for j in judgements:
+                member = incident.members.get(j.stream)
+                # Every call into the locus sees what slows it; an affected stream counts once it carried
+                # some of the incident's slow requests (a route that only joined says little).
+                direct = j.stream.is_hop and j.stream.service == incident.locus
+                if not direct and (member is None or not member.slow_requests):
+                    continue
+                if j.busy:
+                    if member is not None and member.over_baseline:
+                        self.incidents.observe_window(incident, j.elevated or j.dense, j.window_end_ns)
+                    continue
+                for surprise, (_, trace_id, _, end) in j.scored:
+                    if direct or self.traces.touches(trace_id, incident.locus):
+                        views.append((end, trace_id, surprise >= s.slow_surprise, j.window_end_ns))
+            if views:
+                self.incidents.observe(incident, views)
+
+    def _end(self, now_ns: int) -> list[IncidentEvent]:
+        """End the incidents whose fault is over; their streams' evidence starts again from zero."""
+        events = self.incidents.resolve(now_ns)
+        for event in events:
+            incident = event.incident
+            for stream in incident.members:
+                self.judge.release(stream)
+            self.judge.forget_windows(incident.start_ns - self.settings.quarantine_before_ns,
+                                      incident.end_ns or incident.last_anomalous_end_ns)
+            # Slow requests of the fault that other streams still hold must not open its return early.
+            for stream, evidence in self.judge.streams_with_slow():
+                if any(r.locus is not None and r.locus[0] in incident.loci for r in evidence.slow):
+                    self.judge.forget_evidence(stream)
         return events
 
     def _slow_samples(self, j: Judgement, limit: int) -> list[tuple[bytes, bytes]]:
@@ -325,7 +398,9 @@ class DetectionEngine:
                 for r in evidence.slow[-_LOCATE_TRACES:]:
                     seen.setdefault(r.trace_id, []).append((j, r))
         links = _Links()
-        for incident in self.incidents.open_incidents:
+        # Places a recent spike linked stay linked: the same fault seen from its caller in the next window is
+        # the same incident, not a second one.
+        for incident in (*self.incidents.ended, *self.incidents.open_incidents):
             links.join(incident.locus, *incident.loci)
         placed: list[tuple[str, Judgement, SlowRequest | None]] = []  # (where, stream, its slow request or None)
         unknown: list[tuple[Judgement, SlowRequest | None]] = []
@@ -375,7 +450,7 @@ class DetectionEngine:
             group = groups.get(locus) or groups.setdefault(locus, Group(locus))
             group.loci.update(links.members(where))
             if r is not None:
-                group.add(j, r.trace_id, r.gain, r.end_ns)
+                group.add(j, r.trace_id, r.gain, r.end_ns, r.duration_ns)
             elif j.dense:
                 group.add_dense(j)
         return list(groups.values())
@@ -496,7 +571,8 @@ class DetectionEngine:
                      p99_ns=lead.peak_p99_ns, baseline_p99_ns=lead.baseline_ns,
                      causes=self._causes.get(incident.id, ()), exemplar_trace_ids=tuple(exemplars),
                      detected_unix_nano=incident.detected_ns, peer_service=lead.stream.peer_service,
-                     affected=affected)
+                     affected=affected, recurrence_of=incident.recurrence_of, occurrence=incident.occurrence,
+                     first_start_unix_nano=incident.first_start_ns if incident.recurrence_of else None)
 
 
 def _with_their_roots(groups: list[Group], roots: list[Judgement]) -> None:

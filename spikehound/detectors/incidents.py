@@ -30,12 +30,19 @@ still one strong spike.
   each other (``min_spread_ns`` for a window test's): a pause of a second or
   two catches every request in flight at once, which is one stall, not a
   sustained rise.
-- A group whose locus has an open incident extends it: its streams join as
+- A group whose locus has an open incident, or most of whose slow traces an
+  open incident already counted as its slow requests, extends it: its streams join as
   *affected streams* with their own numbers instead of paging again. The most
   user-facing stream of the group that opened it leads (trace roots, then other
   entry streams, then hops); the leader and the id are fixed when it opens.
-- It resolves when every affected stream is calm again (see
-  :meth:`StreamJudge.is_calm`); its streams then start from zero evidence.
+- It ends on evidence that its fault is over (:class:`RecoveryEvidence`, fed
+  by the engine with the requests through its locus: a CUSUM toward normal,
+  each trace once), or when those requests stopped for ten of their typical
+  gaps (``quiet_min_ns`` to ``quiet_max_ns``). Its end is the end of the
+  window of its last slow request; its streams then start from zero evidence.
+- A spike that opens at the place of one that ended within ``recurrence_ns``
+  is its **return**: a new spike, with its own onset, causes and page, linked
+  to the first of the chain (``recurrence_of``) and numbered (``occurrence``).
 
 >>> from spikehound.detectors.settings import DetectionSettings
 >>> book = IncidentBook(DetectionSettings())
@@ -50,7 +57,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from spikehound.detectors.sequential import SequentialEvidence
+from spikehound.detectors.sequential import RecoveryEvidence, SequentialEvidence
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.detectors.stream_judge import Judgement
 from spikehound.detectors.streams import StreamKey
@@ -60,6 +67,7 @@ __all__ = ["Group", "Incident", "IncidentBook", "IncidentEvent", "Member", "spik
 
 _REFERENCE_STREAMS = 10  # the thresholds hold as set up to this many streams; beyond, they grow with log10
 MAX_SLOW_IDS = 1024  # slow request ids an affected stream keeps to count each once; beyond, they are counted
+MAX_SEEN_TRACES = 512  # traces an open incident remembers having judged toward its end (each counts once)
 _RUN_GAP = 4  # a gap this many times the typical one (plus a window) ends a run of slow requests
 
 
@@ -86,10 +94,11 @@ def stream_rank(stream: StreamKey, root: bool, evidence: float = 0.0) -> tuple[i
 
 @dataclass(slots=True)
 class SlowTrace:
-    """One slow request of a group: its trace, what it added to the evidence, when it ended."""
+    """One slow request of a group: its trace, what it added to the evidence, when it began and ended."""
 
     gain: float
     end_ns: int
+    start_ns: int
 
 
 @dataclass(slots=True)
@@ -104,17 +113,19 @@ class Group:
     loci: set[str] = field(default_factory=set)  # the services its slow requests were linked to
     slow_ids: set[bytes] = field(default_factory=set)  # every slow trace of the window's group, both tests'
 
-    def add(self, j: Judgement, trace_id: bytes, gain: float, end_ns: int) -> None:
+    def add(self, j: Judgement, trace_id: bytes, gain: float, end_ns: int, duration_ns: int) -> None:
         """One slow request of stream ``j.stream`` pointing here."""
         self.members[j.stream] = j
         self.by_stream.setdefault(j.stream, set()).add(trace_id)
         seen = self.traces.get(trace_id)
         if seen is None:
-            self.traces[trace_id] = SlowTrace(gain, end_ns)
+            self.traces[trace_id] = SlowTrace(gain, end_ns, end_ns - duration_ns)
         else:
-            # The largest gain any stream saw in it; the earliest end: the innermost slowed call, nearest the
-            # cause (a pause releases every call it held at once, whatever the callers did afterwards).
-            seen.gain, seen.end_ns = max(seen.gain, gain), min(seen.end_ns, end_ns)
+            # The largest gain any stream saw in it; the call that ended first: the innermost slowed call,
+            # nearest the cause (a pause releases every call it held at once, whatever the callers did after).
+            seen.gain = max(seen.gain, gain)
+            if end_ns < seen.end_ns:
+                seen.end_ns, seen.start_ns = end_ns, end_ns - duration_ns
 
     def add_dense(self, j: Judgement) -> None:
         """A stream whose window test fired with most of its slow requests pointing here."""
@@ -170,6 +181,11 @@ class Incident:
     loci: set[str] = field(default_factory=set)  # every service its slow requests were linked to
     end_ns: int | None = None
     slowest: Sample | None = None  # the slowest request of the leading stream seen while it was open
+    recovery: RecoveryEvidence = field(default_factory=RecoveryEvidence)  # evidence that its fault is over
+    seen: dict[bytes, bool] = field(default_factory=dict)  # recent traces judged toward its end: slow or not
+    recurrence_of: str | None = None  # the first spike of the chain this one is a return of
+    occurrence: int = 1  # 1 for a first spike, 2 for its first return, ...
+    first_start_ns: int = 0  # the start of the chain's first spike
 
     @property
     def state(self) -> str:
@@ -194,6 +210,7 @@ class IncidentBook:
     def __init__(self, settings: DetectionSettings) -> None:
         self.settings = settings
         self._open: dict[str, Incident] = {}  # by locus
+        self.ended: list[Incident] = []  # incidents that ended within recurrence_ns, oldest first
 
     @property
     def open_count(self) -> int:
@@ -216,28 +233,74 @@ class IncidentBook:
         """Judge one window's groups; return the incidents that opened or grew."""
         events: list[IncidentEvent] = []
         correction = self.correction(streams)
+        opened: list[Incident] = []
         for group in sorted(groups, key=lambda g: g.locus):
-            incident = self._open.get(group.locus)
+            incident = self._open.get(group.locus) or self._sharing(group) or _same_streams(group, opened)
             if incident is not None:
                 incident.loci |= group.loci
                 for j in group.members.values():
                     self._extend(incident, j, group)
                 events.append(IncidentEvent("updated", incident, list(group.members.values()), _slow_of(group)))
                 continue
-            opened = self._try_open(group, evidence_of, correction, now_ns)
-            if opened is not None:
-                events.append(IncidentEvent("opened", opened, list(group.members.values()), _slow_of(group)))
+            new = self._try_open(group, evidence_of, correction, now_ns)
+            if new is not None:
+                opened.append(new)
+                events.append(IncidentEvent("opened", new, list(group.members.values()), _slow_of(group)))
         return events
 
-    def resolve(self, is_calm: Callable[[StreamKey], bool]) -> list[IncidentEvent]:
-        """Resolve the incidents whose every stream is calm again."""
+    def resolve(self, now_ns: int) -> list[IncidentEvent]:
+        """End the incidents whose fault is over (see :meth:`is_over`), as of event time ``now_ns``."""
         out = []
         for locus, incident in list(self._open.items()):
-            if all(is_calm(stream) for stream in incident.members):
-                incident.end_ns = incident.last_anomalous_end_ns
+            if self.is_over(incident, now_ns):
+                incident.end_ns = max(incident.last_anomalous_end_ns, incident.start_ns + 1)
+                incident.seen.clear()
                 del self._open[locus]
+                self.ended.append(incident)
                 out.append(IncidentEvent("resolved", incident))
+        horizon = now_ns - self.settings.recurrence_ns
+        while self.ended and (self.ended[0].end_ns or 0) < horizon:
+            self.ended.pop(0)
         return out
+
+    def is_over(self, incident: Incident, now_ns: int) -> bool:
+        """Enough evidence toward normal, or its requests stopped for ten of their typical gaps."""
+        s = self.settings
+        recovery = incident.recovery
+        if recovery.value >= s.end_evidence:
+            return True
+        last = recovery.last_seen_ns if recovery.last_seen_ns is not None else incident.detected_ns
+        gap = recovery.typical_gap_ns()
+        quiet = s.quiet_max_ns if gap is None else min(max(10 * gap, s.quiet_min_ns), s.quiet_max_ns)
+        return now_ns - last >= quiet
+
+    def observe(self, incident: Incident, views: list[tuple[int, bytes, bool, int]]) -> None:
+        """Requests through ``incident``'s locus, (end, trace id, slow, window end): toward its end or not.
+
+        A trace seen by several of its streams counts once, slow when any of them found it slow.
+        """
+        traces: dict[bytes, tuple[int, bool, int]] = {}
+        for end, trace_id, slow, window_end in views:
+            seen = traces.get(trace_id)
+            if seen is None:
+                traces[trace_id] = (end, slow, window_end)
+            elif slow and not seen[1]:
+                traces[trace_id] = (min(seen[0], end), True, window_end)
+        recovery, seen = incident.recovery, incident.seen
+        for trace_id, (end, slow, window_end) in sorted(traces.items(), key=lambda kv: kv[1][0]):
+            before = seen.get(trace_id)
+            if before is None or (slow and not before):
+                recovery.update_one(slow, end, window_end)
+                seen[trace_id] = slow
+                if len(seen) > MAX_SEEN_TRACES:
+                    del seen[next(iter(seen))]
+        incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, recovery.last_slow_ns)
+
+    def observe_window(self, incident: Incident, elevated: bool, window_end_ns: int) -> None:
+        """A busy window of a stream whose window test fired in ``incident``: still elevated or calm."""
+        s = self.settings
+        incident.recovery.update_window(elevated, window_end_ns, s.end_evidence / max(s.resolve_windows, 1))
+        incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, incident.recovery.last_slow_ns)
 
     # -- internals ---------------------------------------------------------
 
@@ -261,20 +324,52 @@ class IncidentBook:
             for stream in group.by_stream:  # the streams whose slow requests are counted
                 evidence = evidence_of(stream)
                 penalty += evidence.penalty if evidence is not None else 0.0
-            strength = sum(t.gain for t in traces.values()) + penalty
+            strength = _once_per_stall(traces.values()) + penalty
             if strength < s.min_evidence + correction:
                 return None
             any_j = next(iter(group.members.values()))
             start = incident_onset(ends, any_j.window_end_ns - any_j.window_start_ns)
         members = {stream: _member(j, group, start) for stream, j in group.members.items()}
-        lead = min(members.values(), key=lambda m: m.rank).stream
+        # The lead is one whose p99 rose: a number the user reads must make sense.
+        rose = [m for m in members.values() if m.peak_p99_ns > m.baseline_ns] or list(members.values())
+        lead = min(rose, key=lambda m: m.rank).stream
+        window = s.window_ns
+        last_slow = max(j.window_end_ns for j in dense) if dense else ends[-1] - ends[-1] % window + window
         incident = Incident(id=spike_id(lead, start, group.locus), locus=group.locus, lead=lead, start_ns=start,
-                            detected_ns=now_ns, evidence=round(strength, 2),
-                            last_anomalous_end_ns=max(m.last_anomalous_end_ns for m in members.values()),
-                            members=members, loci={group.locus, *group.loci})
+                            detected_ns=now_ns, evidence=round(strength, 2), last_anomalous_end_ns=last_slow,
+                            members=members, loci={group.locus, *group.loci}, first_start_ns=start)
+        for trace_id, slow in sorted(group.traces.items(), key=lambda kv: kv[1].end_ns):  # what opened it
+            incident.recovery.update_one(True, slow.end_ns, slow.end_ns - slow.end_ns % window + window)
+            incident.seen[trace_id] = True
+        incident.recovery.last_slow_ns = last_slow
         incident.slowest = _slowest(None, group.members[lead])
+        earlier = self._returning(incident)
+        if earlier is not None:
+            incident.recurrence_of = earlier.recurrence_of or earlier.id
+            incident.occurrence = earlier.occurrence + 1
+            incident.first_start_ns = earlier.first_start_ns
         self._open[group.locus] = incident
         return incident
+
+    def _sharing(self, group: Group) -> Incident | None:
+        """An open incident that already counted most of ``group``'s slow traces as its own slow requests: the
+        same fault seen from another place (a caller whose own time its slowed call grew), not a new one."""
+        if not group.traces:
+            return None
+        for incident in self._open.values():
+            shared = sum(1 for t in group.traces if incident.seen.get(t))
+            if 2 * shared >= len(group.traces):
+                return incident
+        return None
+
+    def _returning(self, incident: Incident) -> Incident | None:
+        """The latest ended incident at ``incident``'s place within ``recurrence_ns`` (None: a first)."""
+        for earlier in reversed(self.ended):
+            if earlier.end_ns is not None and incident.start_ns - earlier.end_ns > self.settings.recurrence_ns:
+                break
+            if earlier.locus == incident.locus or earlier.locus in incident.loci or incident.locus in earlier.loci:
+                return earlier
+        return None
 
     def _extend(self, incident: Incident, j: Judgement, group: Group) -> None:
         member = incident.members.get(j.stream)
@@ -286,9 +381,32 @@ class IncidentBook:
         member.last_anomalous_end_ns = max(member.last_anomalous_end_ns, j.window_end_ns)
         member.peak_p99_ns = max(member.peak_p99_ns, _p99(j))
         member.evidence = max(member.evidence, j.evidence, j.score)
-        incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, j.window_end_ns)
         if j.stream == incident.lead:
             incident.slowest = _slowest(incident.slowest, j)
+
+
+def _once_per_stall(traces: Iterable[SlowTrace]) -> float:
+    """The gain of slow traces, those that were all in flight at one instant counted once (the largest).
+
+    A pause (a GC, a stalled disk, a dropped link) holds every request in flight through it, and they are all
+    in flight at its last moment, however far apart their callers then finish: one stall, however many
+    requests it caught. A fault's slow requests come at the pace of its traffic, each at its own time.
+    """
+    total, best, common_end = 0.0, 0.0, None
+    for t in sorted(traces, key=lambda t: t.start_ns):
+        if common_end is not None and t.start_ns < common_end:  # in flight with all the others so far
+            best, common_end = max(best, t.gain), min(common_end, t.end_ns)
+        else:
+            total, best, common_end = total + best, t.gain, t.end_ns
+    return total + best
+
+
+def _same_streams(group: Group, opened: list[Incident]) -> Incident | None:
+    """An incident opened in this step whose streams saw ``group``'s slow requests too (a hop or an entry
+    stream, not a route: routes carry many faults' requests): one fault whose slow requests were attributed
+    to two neighbouring places, not two faults starting in the same window."""
+    mine = {stream for stream, seen in group.by_stream.items() if seen and not group.members[stream].root}
+    return next((i for i in opened if any(stream in i.members for stream in mine)), None)
 
 
 def _slow_of(group: Group) -> set[bytes]:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from river import base
 
-__all__ = ["SequentialEvidence", "SlowRequest", "TailSurprise"]
+__all__ = ["RecoveryEvidence", "SequentialEvidence", "SlowRequest", "TailSurprise"]
 
 Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end ns)
 _LN10 = math.log(10.0)
@@ -267,3 +267,80 @@ class SequentialEvidence:
             self._add(window_start_ns, scored[i][0], scored[i][1])
         slow = [i for i, (surprise, _) in enumerate(scored) if surprise >= self.slow_surprise]
         self.calm_run = len(scored) - 1 - slow[-1] if slow else self.calm_run + first
+
+
+@dataclass(slots=True)
+class RecoveryEvidence:
+    """Sequential evidence that a spike's fault is over, request by request: a CUSUM toward normal.
+
+    Each request the spike could have slowed (one through its locus, each trace once) is either *slow*
+    (surprise ``slow_surprise`` or more) or not. Normal traffic gives a slow one with probability
+    ``normal_slow`` (``10 ** -slow_surprise``: one in 30); the fault gives one with the share ``f`` the spike
+    itself showed up to its latest slow request (its slow requests over all it saw until then, with half a
+    request of each as the prior, at most ``max_share``: the calm run being judged is not yet part of the
+    fault). A request adds its log-likelihood ratio of normal against the fault, ``log10((1 - p0) /
+    (1 - f))`` for a normal one and ``log10(p0 / f)`` for a slow one, into a sum that never drops below
+    zero. The fault is over once the sum reaches the threshold the caller sets: with ``f`` at its cap and a
+    threshold of 3, three normal requests in a row; under the fault itself such a run has odds near
+    ``(1 - f) ** 3``. A busy stream's calm window counts ``window_weight`` at once (its window test
+    judged dozens of requests), an elevated one as a slow request.
+
+    ``last_slow_ns`` is the end of the window that held the latest slow request: where the spike ended.
+
+    >>> r = RecoveryEvidence(last_slow_ns=60)
+    >>> for i in range(6):
+    ...     _ = r.update_one(True, 100 + i, 110)
+    >>> [round(r.update_one(False, 200 + i, 210), 2) for i in range(3)]
+    [1.13, 2.26, 3.4]
+    >>> round(r.update_one(True, 300, 310), 2), r.last_slow_ns
+    (1.93, 310)
+    """
+
+    normal_slow: float = 10 ** -1.5
+    max_share: float = 0.95
+    value: float = 0.0
+    requests: int = 0  # requests judged from the spike's opening to its latest slow one
+    slow: int = 0  # ... of which slow
+    calm_run: int = 0  # normal requests since the latest slow one
+    last_slow_ns: int = 0
+    first_seen_ns: int | None = None
+    last_seen_ns: int | None = None
+
+    @property
+    def share(self) -> float:
+        """The share of the spike's requests that were slow: what the fault does to a request."""
+        return min(max((self.slow + 0.5) / (self.requests + 1), 2 * self.normal_slow), self.max_share)
+
+    def update_one(self, slow: bool, end_ns: int, window_end_ns: int) -> float:
+        """One request: slow or not, when it ended, the end of its window; returns the evidence."""
+        p0, f = self.normal_slow, self.share
+        if slow:
+            self.requests += self.calm_run + 1
+            self.slow += 1
+            self.calm_run = 0
+            self.value = max(self.value + math.log10(p0 / f), 0.0)
+            self.last_slow_ns = max(self.last_slow_ns, window_end_ns)
+        else:
+            self.calm_run += 1
+            self.value += math.log10((1 - p0) / (1 - f))
+        if self.first_seen_ns is None:
+            self.first_seen_ns = end_ns
+        self.last_seen_ns = max(self.last_seen_ns or end_ns, end_ns)
+        return self.value
+
+    def update_window(self, elevated: bool, window_end_ns: int, window_weight: float) -> float:
+        """One busy window judged by the window test: elevated (slow) or calm (``window_weight`` toward normal)."""
+        if elevated:
+            self.value = 0.0
+            self.last_slow_ns = max(self.last_slow_ns, window_end_ns)
+        else:
+            self.value += window_weight
+        self.last_seen_ns = max(self.last_seen_ns or window_end_ns, window_end_ns)
+        return self.value
+
+    def typical_gap_ns(self) -> int | None:
+        """The mean time between the spike's requests (None before two)."""
+        seen = self.requests + self.calm_run
+        if self.first_seen_ns is None or self.last_seen_ns is None or seen < 2:
+            return None
+        return (self.last_seen_ns - self.first_seen_ns) // (seen - 1)

@@ -39,8 +39,8 @@ class DetectionSettings:
     min_rise: float = 0.2  # a spike's p99 is at least 20 % above the baseline
     min_abs_rise_ns: int = 5 * MS  # ... and at least 5 ms above it, so 2 ms -> 3 ms pages nobody
     min_score: float = 6.0  # ... and its count of requests over the baseline p99 has odds under 1e-6
-    resolve_windows: int = 2  # calm judged windows in a row that resolve a spike
-    adapt_after_windows: int = 180  # a spike open this long is a new normal: the baseline learns again
+    resolve_windows: int = 2  # calm busy windows in a row that end a spike (each is end_evidence / resolve_windows)
+    adapt_after_windows: int = 720  # a spike open this long (2 h) is a new normal: the baseline learns again
     # The sequential test, request by request (see spikehound.detectors.sequential).
     request_pool: int = 256  # normal requests a stream's pool holds
     pool_per_window: int = 8  # most requests of one window learned into the pool (a busy window is thinned)
@@ -49,7 +49,12 @@ class DetectionSettings:
     surprise_drift: float = 0.9  # taken off each request's surprise: normal requests bring the evidence down
     slow_surprise: float = 1.5  # a request this surprising (1 in 30) is one of the rise's slow requests
     hot_evidence: float = 1.5  # evidence at which a stream is attributed and grouped
-    resolve_requests: int = 5  # normal requests in a row after which a stream is calm again
+    # How a spike ends (see spikehound.detectors.sequential.RecoveryEvidence) and what it keeps from learning.
+    end_evidence: float = 3.0  # evidence toward normal (log10 odds) that ends a spike: 3-4 normal requests
+    quiet_min_ns: int = 120 * S  # a spike whose requests stopped ends after ten of their typical gaps, at least
+    quiet_max_ns: int = 600 * S  # ... this and at most this
+    quarantine_before_ns: int = 60 * S  # nothing of the minute before a spike's onset is learned as normal
+    recurrence_ns: int = 3600 * S  # a spike at the same place within this of an earlier one's end is its return
     # Incidents (see spikehound.detectors.incidents); both thresholds grow with log10(streams judged / 10).
     min_evidence: float = 4.0  # sequential evidence of a group that opens a spike
     min_slow_requests: int = 2  # ... over at least this many distinct slow traces

@@ -23,8 +23,12 @@ Learning is held back while a stream is hot or in an incident, so that a
 spike never teaches itself to be normal: the window test learns a window that
 was judged normal, and the request pool learns a window's requests once the
 evidence has gone back to zero without an incident (a lone stall is learned
-then, as the normal tail it is). An incident open for ``adapt_after_windows``
-windows is taken as the new normal: its streams learn again.
+then, as the normal tail it is). While a spike is open, and for the minute
+before its onset (:attr:`StreamJudge.quarantine`), no stream learns a window
+that held evidence or was elevated, and windows held back for later learning
+that fall in that time are dropped. An incident open for
+``adapt_after_windows`` windows is taken as the new normal: its streams learn
+again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
@@ -45,6 +50,7 @@ from spikehound.model import LatencyWindow
 
 RECENT_NS = 600 * 10**9  # a stream judged in the last ten minutes (event time) is one of the hypotheses tested
 SEQUENTIAL_MAX = 256  # requests of one window the sequential test reads (a busy one is thinned to this)
+STRAGGLER_NS = 300 * 10**9  # how long after a spike ended a request of a trace begun during it may start
 EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
 
 __all__ = ["Judgement", "StreamJudge", "tail_band"]
@@ -71,6 +77,10 @@ class Judgement:
     hot: bool = False  # worth attributing and grouping
     exceed: int = 0  # requests the window test judged that were slower than the baseline
     spread_ns: int = 0  # how far apart in time the slow requests of the window test ended
+    busy: bool = False  # judged by the window test alone (enough requests in this one window, warm)
+    # The sequential test's scores of this window's requests, (surprise, sample) in end-time order; empty
+    # when it did not judge them (a busy window, or a stream not warm yet).
+    scored: list[tuple[float, Sample]] = field(default_factory=list)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -84,11 +94,11 @@ class _StreamState:
     evidence: SequentialEvidence
     root: bool = False
     recent: deque[tuple[int, int, tuple[Sample, ...]]] = field(default_factory=deque)
-    pending: list[list[int]] = field(default_factory=list)  # windows' durations not learned yet (evidence > 0)
+    # (window start, its durations) not learned yet: the evidence was above zero
+    pending: list[tuple[int, list[int]]] = field(default_factory=list)
     incident: str | None = None
     incident_windows: int = 0
     last_end_ns: int = 0
-    quiet_windows: int = 0  # windows without the window test still seeing half the rise
 
 
 class StreamJudge:
@@ -100,6 +110,20 @@ class StreamJudge:
         # Least recently judged first; bounded by max_streams so that a storm of one-off operation names
         # cannot grow it without end (a stream in an incident is never evicted).
         self._streams: OrderedDict[StreamKey, _StreamState] = OrderedDict()
+        # Event-time spans (from, to; None: still open) of spikes and the minute before each one's onset,
+        # set by the engine: what falls in them is never learned as normal.
+        self.quarantine: list[tuple[int, int | None]] = []
+        # When a request's trace began (None: unknown), set by the engine from its trace buffer: a request of a
+        # trace that began during a spike belongs to it, however late it ended.
+        self.trace_start: Callable[[bytes], int | None] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"settings": self.settings, "evicted_streams": self.evicted_streams, "_streams": self._streams,
+                "quarantine": self.quarantine, "trace_start": None}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
 
     # -- input -------------------------------------------------------------
 
@@ -111,7 +135,8 @@ class StreamJudge:
         state.root = state.root or root
         state.last_end_ns = max(state.last_end_ns, window.end_unix_nano)
         j = self._window_test(state, stream, window)
-        if window.count >= s.min_requests and state.window_test.warm:
+        j.busy = window.count >= s.min_requests and state.window_test.warm
+        if j.busy:
             # A busy window is the window test's to judge, and far more sensitive there; request by request
             # it would only add cost. The evidence starts from zero, and the window counts as calm or not.
             state.evidence.reset()
@@ -120,12 +145,16 @@ class StreamJudge:
             # The sequential test: every request in end-time order, into the stream's running evidence. A
             # busy window whose window test is still learning is thinned evenly across its latencies (they
             # are sorted by duration): its rise shows as well in a few hundred, at a fraction of the cost.
-            samples = window.samples
+            # The last requests of a spike that ended (their traces began while it lasted) are its, not news.
+            samples = self.unclaimed(window.samples, ended_only=True)
             if len(samples) > SEQUENTIAL_MAX:
                 samples = samples[::-(-len(samples) // SEQUENTIAL_MAX)]
             by_end = sorted(samples, key=itemgetter(3))
             surprises = state.tail.surprises([d for d, _, _, _ in by_end])
-            state.evidence.update(window.start_unix_nano, list(zip(surprises, by_end, strict=True)))
+            scored = list(zip(surprises, by_end, strict=True))
+            state.evidence.update(window.start_unix_nano, scored)
+            if state.tail.warm:
+                j.scored = scored
         j.evidence = state.evidence.value
         if j.count == 0:  # the window test did not judge: report this window's own numbers
             j.p99_ns = window.p99_ns
@@ -146,24 +175,29 @@ class StreamJudge:
         if incident is not None and state.incident != incident:
             state.incident, state.incident_windows = incident, 0
             state.pending.clear()  # the requests before it belonged to the rise
-        quiet = not j.elevated and not j.dense
-        state.quiet_windows = state.quiet_windows + 1 if quiet else 0
         if state.incident is not None:
             state.incident_windows += 1
             if state.incident_windows < s.adapt_after_windows:
                 return
-        if j.count and not j.dense and not j.hot:
+        # A request that ran while a spike was open (or in the minute before it) is never learned as normal
+        # by a stream that showed anything (evidence, an elevated window, a spike of its own), nor is such a
+        # window; a stream that stayed calm all along keeps learning its calm requests.
+        showed = state.evidence.value > 0.0 or j.elevated or j.hot or state.incident is not None
+        samples = self.unclaimed(j.samples) if showed else j.samples
+        doubtful = len(samples) < len(j.samples)
+        if j.count and not j.dense and not j.hot and not doubtful:
             state.window_test.learn_one({"p99": j.p99_ns, "count": j.count, "exceed": j.exceed})
-        learnable = _spread_over(j.samples, s.pool_per_window)
+        learnable = _spread_over(samples, s.pool_per_window)
         if state.evidence.value > 0.0 and state.incident is None:
-            state.pending.append(learnable)  # learned once the evidence is back to zero without an incident
+            # Learned once the evidence is back to zero without an incident, unless a spike claimed its time.
+            state.pending.append((j.window_start_ns, learnable))
             if len(state.pending) > s.max_merge_windows * 30:
-                self._learn(state, state.pending.pop(0))
+                self._learn_held(state, [state.pending.pop(0)])
             return
-        for held in state.pending:
-            self._learn(state, held)
+        self._learn_held(state, state.pending)
         state.pending.clear()
-        self._learn(state, learnable)
+        if not doubtful:
+            self._learn(state, learnable)
 
     def release(self, stream: StreamKey) -> None:
         """The stream's incident resolved: its evidence starts again from zero."""
@@ -182,13 +216,50 @@ class StreamJudge:
         state = self._streams.get(stream)
         return state.evidence if state else None
 
-    def is_calm(self, stream: StreamKey, watermark_ns: int) -> bool:
-        """Has ``stream`` come back to normal: no traffic for a while, or its latest requests and windows normal?"""
-        s = self.settings
+    def unclaimed(self, samples: Sequence[Sample], ended_only: bool = False) -> Sequence[Sample]:
+        """``samples`` less the requests that ran during a spike or the minute before it (``ended_only``: a
+        spike that has ended)."""
+        if not self.quarantine or not samples:
+            return samples
+        periods = [(lo, hi) for lo, hi in self.quarantine if hi is not None or not ended_only]
+        if not periods:
+            return samples
+        start_of = self.trace_start
+        out = []
+        for x in samples:
+            began = x[3] - x[0]
+            # The trace is looked up only for a request that began shortly after a spike ended (a straggler).
+            claimed = [hi for lo, hi in periods if x[3] > lo and (hi is None or began < hi + STRAGGLER_NS)]
+            if claimed:
+                if any(hi is not None and began >= hi for hi in claimed) and start_of is not None:
+                    began = min(began, start_of(x[1]) or began)
+                if any(hi is None or began < hi for hi in claimed):
+                    continue
+            out.append(x)
+        return out
+
+    def quarantined(self, window_start_ns: int) -> bool:
+        """Whether a window starting at ``window_start_ns`` falls in a spike or the minute before one."""
+        end = window_start_ns + self.settings.window_ns
+        return any(lo < end and (hi is None or window_start_ns < hi) for lo, hi in self.quarantine)
+
+    def forget_evidence(self, stream: StreamKey) -> None:
+        """Start ``stream``'s evidence again from zero (its slow requests belonged to a spike that ended)."""
         state = self._streams.get(stream)
-        if state is None or state.last_end_ns < watermark_ns - s.max_merge_windows * s.window_ns:
-            return True
-        return state.evidence.calm_run >= s.resolve_requests and state.quiet_windows >= s.resolve_windows
+        if state is not None:
+            state.evidence.reset()
+            state.pending = [(start, held) for start, held in state.pending if not self.quarantined(start)]
+
+    def forget_windows(self, from_ns: int, to_ns: int) -> None:
+        """Drop every stream's windows held for merging that started in [from_ns, to_ns): a spike that ended
+        there must not be judged again in a low-traffic stream's merged window."""
+        for state in self._streams.values():
+            if state.recent and state.recent[-1][0] >= from_ns and state.recent[0][0] < to_ns:
+                state.recent = deque(part for part in state.recent if not from_ns <= part[0] < to_ns)
+
+    def streams_with_slow(self) -> list[tuple[StreamKey, SequentialEvidence]]:
+        """The streams whose evidence holds slow requests."""
+        return [(stream, st.evidence) for stream, st in self._streams.items() if st.evidence.slow]
 
     def is_root(self, stream: StreamKey) -> bool:
         state = self._streams.get(stream)
@@ -246,6 +317,11 @@ class StreamJudge:
         self._streams[stream] = state
         return state
 
+    def _learn_held(self, state: _StreamState, held: list[tuple[int, list[int]]]) -> None:
+        for start, durations in held:
+            if not self.quarantined(start):
+                self._learn(state, durations)
+
     @staticmethod
     def _learn(state: _StreamState, durations: list[int]) -> None:
         for duration in durations:
@@ -261,7 +337,8 @@ class StreamJudge:
             samples = list(window.samples)
         else:
             horizon = end - s.max_merge_windows * s.window_ns
-            state.recent.append((start, end, window.samples))
+            # The last requests of a spike that ended are its, not the next merged window's news.
+            state.recent.append((start, end, tuple(self.unclaimed(window.samples, ended_only=True))))
             while state.recent and state.recent[0][0] < horizon:
                 state.recent.popleft()
             parts = list(state.recent)

@@ -72,6 +72,9 @@ class TraceBuffer:
         self._long_names: dict[bytes, int] = {}  # trace id -> characters in its names longer than SHORT_NAME
         # trace id -> (children by parent span id, service by span id); valid until the next add()
         self._index: dict[bytes, tuple[dict[bytes, list[Record]], dict[bytes, str]]] = {}
+        # trace id -> (start of its buffered part, its services); valid until the next add(), like _index:
+        # detection asks them of the same traces many times between two adds
+        self._summary: dict[bytes, tuple[int, frozenset[str]]] = {}
         # trace id -> its span ids, for a trace of more than _SCAN_SPANS buffered spans (see add); dropped with
         # the trace. Its size is counted in ``bytes`` (SPAN_ID_BYTES a span).
         self._ids: dict[bytes, set[bytes]] = {}
@@ -91,6 +94,8 @@ class TraceBuffer:
         fresh: set[bytes] = set()  # traces first seen in this call
         if self._index:
             self._index = {}
+        if self._summary:
+            self._summary = {}
         long_names = self._long_names
         added = chars = id_bytes = 0
         out: list[Span] | None = None  # the fresh spans, made only once a repeat is found
@@ -191,6 +196,25 @@ class TraceBuffer:
                     seen.add(child[0])
                     stack.append(child[0])
         return list(out)
+
+    def trace_start(self, trace_id: bytes) -> int | None:
+        """When the buffered part of a trace began (None when it is not buffered)."""
+        summary = self._summarize(trace_id)
+        return summary[0] if summary else None
+
+    def touches(self, trace_id: bytes, service: str) -> bool:
+        """Whether a buffered span of the trace belongs to ``service`` (False when the trace is unknown)."""
+        summary = self._summarize(trace_id)
+        return summary is not None and service in summary[1]
+
+    def _summarize(self, trace_id: bytes) -> tuple[int, frozenset[str]] | None:
+        summary = self._summary.get(trace_id)
+        if summary is None:
+            records = self._traces.get(trace_id)
+            if not records:
+                return None
+            summary = self._summary[trace_id] = (min(r[5] for r in records), frozenset(r[2] for r in records))
+        return summary
 
     def __contains__(self, trace_id: bytes) -> bool:
         return trace_id in self._traces

@@ -250,7 +250,8 @@ class Reader:
                       baseline_p99_ns=r.baseline_p99_ns, causes=tuple(causes.get(r.id, ())),
                       exemplar_trace_ids=tuple(bytes.fromhex(t) for t in orjson.loads(r.exemplar_trace_ids)),
                       detected_unix_nano=r.detected_ns, peer_service=r.peer_service,
-                      affected=tuple(affected.get(r.id, ())))
+                      affected=tuple(affected.get(r.id, ())), recurrence_of=r.recurrence_of,
+                      occurrence=r.occurrence, first_start_unix_nano=r.first_start_ns)
                 for r in rows]
 
     def span_payloads(self, since_ns: int, until_ns: int, *, max_block_seconds: int = 3600) -> Iterator[bytes]:

@@ -131,8 +131,12 @@ spikes = Table(
     Column("exemplar_trace_ids", Text, nullable=False),  # JSON list of hex ids
     Column("detected_ns", BigInteger),  # event time (watermark) at which the detector opened it
     Column("peer_service", String(255)),  # set when a hop stream leads the spike: its caller
+    Column("recurrence_of", String(32)),  # a return: the first spike of the chain (docs/detection.md)
+    Column("occurrence", Integer, nullable=False, server_default="1"),  # 1 for a first spike, 2 for its return
+    Column("first_start_ns", BigInteger),  # a return: the start of the chain's first spike
     Index("ix_spikes_start", "start_ns"),
     Index("ix_spikes_service_start", "service", "start_ns"),
+    Index("ix_spikes_recurrence_of", "recurrence_of"),
 )
 
 # Every stream a spike moved (one incident, many streams), with its own numbers; rank 0 leads the spike.

@@ -179,7 +179,8 @@ class Writer:
         self._spikes = spikes.on_conflict_do_update(
             index_elements=["id"],
             set_={c: spikes.excluded[c] for c in ("service", "operation", "peer_service", "state", "end_ns",
-                                                  "p99_ns", "baseline_p99_ns", "exemplar_trace_ids", "detected_ns")})
+                                                  "p99_ns", "baseline_p99_ns", "exemplar_trace_ids", "detected_ns",
+                                                  "recurrence_of", "occurrence", "first_start_ns")})
 
     def write(self, batch: WriteBatch, now_ns: int | None = None) -> None:
         """Commit the batch in one transaction, or raise and commit nothing."""
@@ -297,6 +298,7 @@ class Writer:
             "baseline_p99_ns": s.baseline_p99_ns,
             "exemplar_trace_ids": _json([t.hex() for t in s.exemplar_trace_ids]),
             "detected_ns": s.detected_unix_nano, "peer_service": s.peer_service,
+            "recurrence_of": s.recurrence_of, "occurrence": s.occurrence, "first_start_ns": s.first_start_unix_nano,
         } for s in spikes]))
         ids = [s.id for s in spikes]
         # Streams join a spike and causes are re-ranked while it lasts: replace both as a whole.

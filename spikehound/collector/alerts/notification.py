@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from spikehound.model import AffectedStream, CauseKind, Spike
+from spikehound.text import recurrence
 
 ALERT_NAME = "P99LatencySpike"
 NO_CAUSE = "no cause found yet"
@@ -134,6 +135,9 @@ def affected_summary(spike: Spike, shown: int = 3) -> str | None:
 
 
 def describe(spike: Spike) -> str:
-    """One line: the stream, its p99 against the baseline."""
-    return (f"p99 of {stream_label(spike)} is {milliseconds(spike.p99_ns):.1f} ms against a baseline of "
+    """One line: the stream, its p99 against the baseline; for a return of a fault, which time it is."""
+    line = (f"p99 of {stream_label(spike)} is {milliseconds(spike.p99_ns):.1f} ms against a baseline of "
             f"{milliseconds(spike.baseline_p99_ns):.1f} ms ({ratio(spike):.1f}x)")
+    if spike.recurrence_of is not None and spike.first_start_unix_nano is not None:
+        line += f", {recurrence(spike.occurrence, spike.start_unix_nano - spike.first_start_unix_nano)}"
+    return line

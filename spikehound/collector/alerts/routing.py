@@ -13,8 +13,9 @@ A group is announced when it starts firing (after ``group_wait``), again
 when its alerts change (at most every ``group_interval``), again every
 ``repeat_interval`` while it fires, and once more when everything in it has
 ended (after ``resolve_wait``; a spike that comes back on the same stream for
-the same reason within it continues the alert, so a flapping stream makes two
-messages, not a storm). A spike first seen already over (found late: the
+the same reason within it continues the alert). A fault's return (a spike with
+``recurrence_of``, docs/detection.md) is told at once in a new firing message,
+whatever the intervals: the receiver hears of each one. A spike first seen already over (found late: the
 collector judged a backlog after a storage outage or a restart) is judged by
 how long it lasted in event time: long enough for a route, it is announced
 firing, then resolved, as it would have been live. A route sends at most ``max_per_hour`` notifications;
@@ -92,14 +93,21 @@ class AlertState:
     spike_ids: list[str] = field(default_factory=list)
     ends_at: int | None = None  # event time ns, once every spike ended
     resolved_at: float | None = None  # wall clock, when its last open spike ended
+    announced: str | None = None  # the spike its last firing message told of (not saved)
 
     @property
     def firing(self) -> bool:
         return bool(self.open_spikes)
 
+    @property
+    def returned(self) -> bool:
+        """Its spike is a fault's return that no firing message told of yet: the receiver hears of each one."""
+        return (self.firing and self.spike.recurrence_of is not None and self.announced is not None
+                and self.spike.id != self.announced)
+
     def to_doc(self) -> dict[str, Any]:
         """The alert as its group's saved state holds it."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "announced"}
         doc["spike"] = saved_form(self.spike)
         return doc
 
@@ -395,6 +403,8 @@ class Router:
             status = "firing"
             if g.sent_status != "firing":
                 due = g.firing_since + c.group_wait_seconds
+            elif any(a.returned for a in firing):
+                due = now  # the same fault again: a new firing message, whatever the group's intervals
             elif ({a.fingerprint for a in firing} - set(announced)
                   or any(not g.alerts[fp].firing for fp in announced if fp not in muted)):
                 due = g.sent_at + c.group_interval_seconds
@@ -439,6 +449,8 @@ class Router:
 
     def _sent(self, g: GroupState, status: str, firing: list[str], now: float) -> None:
         g.sent_status, g.sent_firing, g.sent_at = status, firing, now
+        for fp in firing:
+            g.alerts[fp].announced = g.alerts[fp].spike.id
         for fp, a in list(g.alerts.items()):  # what ended has been told (or needs no telling)
             if not a.firing:
                 del g.alerts[fp]

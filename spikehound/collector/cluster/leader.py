@@ -110,7 +110,7 @@ class DetectionLeader:
         # Members the windows wait for: heartbeats stopped, not yet gone (name -> since when, by clock()) ...
         self._missing: dict[str, float] = {}
         self._started: dict[str, int] = {}  # ... and each member's start, to see it restart
-        self._gone: set[str] = set()  # missing past cluster.member_timeout_seconds (said once)
+        self._gone: set[str] = set()  # missing past cluster.member_gone_seconds (said once)
         self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)  # a returned member's backlog
         self._last_input = clock()
         self._campaign_error: str | None = None  # the kind of the last failure, logged once while it repeats
@@ -364,7 +364,7 @@ class DetectionLeader:
     def _watch(self, members: list[cluster.Member]) -> None:
         """Hold the windows while a member is missing: its heartbeats stopped (it died, hangs, or lost the
         database) and it is not yet gone. Its agents hold its share meanwhile; windows closed over it would
-        count that share late. Gone after ``cluster.member_timeout_seconds``: the windows close without it
+        count that share late. Gone after ``cluster.member_gone_seconds``: the windows close without it
         (judged on the others' share). Back after a restart, or after longer than the lateness allowed, its
         agents' backlog arrives: the windows wait for it as one collector waits for its senders' backlogs
         after a restart (CatchUp)."""
@@ -375,7 +375,7 @@ class DetectionLeader:
             restarted = started is not None and m.started_at != started
             self._started[m.member] = m.started_at
             since = self._missing.get(m.member)
-            if m.age_s > k.member_timeout_seconds:
+            if m.age_s > k.member_gone_seconds:
                 if m.member not in self._gone and (since is not None or started is not None):
                     log.warning("member %s is gone (no heartbeat for %.0f s): the windows close without its share "
                                 "until it is back", m.member, m.age_s)
@@ -384,7 +384,7 @@ class DetectionLeader:
             elif m.age_s > late:
                 if since is None:
                     log.warning("member %s has sent no heartbeat for %.1f s: the windows wait for it (at most "
-                                "cluster.member_timeout_seconds, %g s)", m.member, m.age_s, k.member_timeout_seconds)
+                                "cluster.member_gone_seconds, %g s)", m.member, m.age_s, k.member_gone_seconds)
                     self._missing[m.member] = now
             elif since is not None and now - since < late + POLL_SECONDS and not restarted:
                 pass  # a previous leader, held missing at the takeover, until its heartbeats say

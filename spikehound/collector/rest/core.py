@@ -200,7 +200,15 @@ SCHEMAS: dict[str, Any] = {
         "exemplar_trace_ids": {"type": "array", "items": {"type": "string"}},
         "affected_streams": {"type": "array", "maxItems": 50, "items": {"$ref": "#/components/schemas/AffectedStream"},
                              "description": "The streams the spike moved, the leading one first, then the most "
-                                            "user-facing (at most 50)."}}),
+                                            "user-facing (at most 50)."},
+        "recurrence_of": {**nullable("string"),
+                          "description": "For a return of a fault at the same place within the hour after an "
+                                         "earlier spike there ended: the id of the first spike of the chain "
+                                         "(null for a first spike)."},
+        "occurrence": {"type": "integer", "minimum": 1,
+                       "description": "1 for a first spike, 2 for its first return, and so on."},
+        "first_start": {**nullable("string"),
+                        "description": "For a return: when the first spike of the chain started (RFC 3339)."}}),
     "Spikes": schema_object({"spikes": {"type": "array", "items": {"$ref": "#/components/schemas/Spike"}}}),
 }
 

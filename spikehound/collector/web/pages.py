@@ -34,6 +34,7 @@ from spikehound.collector.web.waterfall import Group, Row, Waterfall, layout, ma
 from spikehound.detectors.stack_diff import percent
 from spikehound.model import Cause, CauseKind, Span, Spike
 from spikehound.storage.reader import Reader
+from spikehound.text import recurrence
 from spikehound.timefmt import NS, parse_time, rfc3339
 
 log = logging.getLogger("spikehound.web")
@@ -353,6 +354,7 @@ class WebPages:
                     cause_marks.setdefault(href[3:], []).append(view.rank)  # the row's anchor
         profile = self._profile(spike)
         return {"spike": spike, "causes": causes, "hosts": hosts, "slow": slow, "normal": normal,
+                "recurrence": self._recurrence(spike),
                 "profile": profile, "profile_rows": PROFILE_ROWS,
                 "slow_id": ids[0] if ids else None, "normal_id": ids[1] if len(ids) > 1 else None,
                 "cause_marks": cause_marks, "collapse_over": COLLAPSE_OVER_ROWS, "most_rows": SPIKE_PAGE_ROWS,
@@ -360,6 +362,13 @@ class WebPages:
                 "chart_data": {"range": [axis.since_ns / NS, axis.until_ns / NS],
                                "window": [start / NS, end / NS], "panels": panels,
                                "flames": _flames(profile)}}
+
+    def _recurrence(self, spike: Spike) -> tuple[str, str] | None:
+        """(the first spike's id, "3rd time in 25 min") for a return of a fault; None for a first spike."""
+        if spike.recurrence_of is None:
+            return None
+        since = spike.start_unix_nano - (spike.first_start_unix_nano or spike.start_unix_nano)
+        return spike.recurrence_of, recurrence(spike.occurrence, since)
 
     def _profile(self, spike: Spike) -> SpikeProfile:
         """The spike's profile diff; when as many diffs as the collector runs at once are running, the page is
