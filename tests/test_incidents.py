@@ -95,6 +95,59 @@ def test_slow_requests_that_all_ended_at_once_are_one_stall_not_a_spike():
     assert book.step([group], evidence.get, streams=10, now_ns=T0 + 40 * NS) == []
 
 
+def test_requests_in_flight_together_are_one_stall_whenever_each_ended():
+    """A pause holds every request in flight through it; its callers then finish when they finish."""
+    def three(duration_s: float) -> tuple[Group, dict[StreamKey, SequentialEvidence]]:
+        group, evidence = Group("ts-order"), {HOP: SequentialEvidence()}
+        j = _judgement(HOP, evidence=9.3)
+        for i in range(3):
+            trace, end = bytes([i + 1]) * 16, T0 + int((30.0 + 8.0 * i) * NS)
+            evidence[HOP].slow.append(SlowRequest(trace, b"s" * 8, int(duration_s * NS), end, T0, 3.1))
+            group.add(j, trace, 3.1, end, int(duration_s * NS))
+        return group, evidence
+
+    held, evidence = three(duration_s=20.0)  # all three in flight from 26 s to 30 s
+    assert IncidentBook(DetectionSettings()).step([held], evidence.get, streams=10, now_ns=T0 + 60 * NS) == []
+    apart, evidence = three(duration_s=2.0)  # the same ends, each in flight alone: three slow requests
+    (event,) = IncidentBook(DetectionSettings()).step([apart], evidence.get, streams=10, now_ns=T0 + 60 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 9.3
+
+
+def test_a_lone_slow_request_on_the_path_of_an_open_spike_stays_apart_and_more_join_it():
+    book = IncidentBook(DetectionSettings())
+    first, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)], ENTRY: [(1, 1.0, 30.0)]})
+    (opened,) = book.step([first], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    # One slow request of the same entry stream whose time was added elsewhere (a stall there): no part of it.
+    lone, evidence = _group("ts-payment", {ENTRY: [(7, 3.1, 55.0)]})
+    assert book.step([lone], evidence.get, streams=10, now_ns=T0 + 60 * NS) == []
+    assert "ts-payment" not in opened.incident.loci
+    # Two, attributed next door (the same fault, seen from a neighbour): they extend it.
+    more, evidence = _group("ts-payment", {ENTRY: [(8, 3.1, 62.0), (9, 3.1, 68.0)]})
+    (event,) = book.step([more], evidence.get, streams=10, now_ns=T0 + 70 * NS)
+    assert event.kind == "updated" and event.incident is opened.incident
+
+
+def test_calls_into_a_spikes_place_from_callers_it_never_slowed_are_no_sign_its_fault_is_over():
+    """A delay on one caller's own network slows only its calls: the callee answering others at its usual
+    pace says nothing of it. The caller's own calls, normal again, do."""
+    engine = DetectionEngine(DetectionSettings())
+    slowed, other = StreamKey("ts-order", "GET /orders/{id}", "ts-payment"), HOP
+    group, evidence = _group("ts-order", {slowed: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})
+    (opened,) = engine.incidents.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    recovery = opened.incident.recovery
+
+    def normal_calls(stream: StreamKey, first_trace: int) -> Judgement:
+        j = _judgement(stream)
+        j.scored = [(0.2, (12 * MS, (first_trace + i).to_bytes(16, "big"), b"s" * 8, T0 + (52 + i) * NS))
+                    for i in range(5)]
+        return j
+
+    engine._watch_ends([normal_calls(other, 100)])
+    assert (recovery.value, recovery.calm_run) == (0.0, 0)
+    engine._watch_ends([normal_calls(slowed, 200)])
+    assert recovery.calm_run == 5 and recovery.value > 1.0
+
+
 def test_a_group_with_the_locus_of_an_open_incident_extends_it():
     book = IncidentBook(DetectionSettings())
     group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})

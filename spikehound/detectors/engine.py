@@ -44,7 +44,7 @@ from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Me
 __all__ = ["CHECKPOINT_FORMAT", "Detection", "DetectionEngine"]
 
 # Bump when the pickled state's layout changes: an older checkpoint is then ignored, not misread.
-CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMAT = 4
 MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outage of the gateway moves them all
 _WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows
@@ -307,20 +307,22 @@ class DetectionEngine:
     def _watch_ends(self, judgements: list[Judgement]) -> None:
         """Feed each open incident the requests of its streams through its locus: evidence toward its end.
 
-        A request counts when it is a call into the locus (on any hop stream into it, affected or not), or
-        it is of an affected stream that carried some of the incident's slow requests and its trace went
-        through the locus; a busy stream whose window test fired in the incident counts by windows.
+        A request counts when it is of an affected stream that carried some of the incident's slow requests
+        and it is a call into the locus or its trace went through the locus; a busy stream whose window test
+        fired in the incident counts by windows.
         """
         s = self.settings
         for incident in self.incidents.open_incidents:
             views: list[tuple[int, bytes, bool, int]] = []
             for j in judgements:
                 member = incident.members.get(j.stream)
-                # Every call into the locus sees what slows it; an affected stream counts once it carried
-                # some of the incident's slow requests (a route that only joined says little).
-                direct = j.stream.is_hop and j.stream.service == incident.locus
-                if not direct and (member is None or not member.slow_requests):
+                # A stream counts once it carried some of the incident's slow requests (a route that only
+                # joined says little), and so does every call into the locus from a caller whose calls were
+                # among them. Calls from other callers do not: a delay on the caller's own network slows only
+                # its calls, and the others' being normal says nothing of it.
+                if member is None or not member.slow_requests:
                     continue
+                direct = j.stream.is_hop and j.stream.service == incident.locus
                 if j.busy:
                     if member is not None and member.over_baseline:
                         self.incidents.observe_window(incident, j.elevated or j.dense, j.window_end_ns)

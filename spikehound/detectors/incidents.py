@@ -183,6 +183,9 @@ class Incident:
     slowest: Sample | None = None  # the slowest request of the leading stream seen while it was open
     recovery: RecoveryEvidence = field(default_factory=RecoveryEvidence)  # evidence that its fault is over
     seen: dict[bytes, bool] = field(default_factory=dict)  # recent traces judged toward its end: slow or not
+    # Recent slow traces of the groups at its own locus (insertion-ordered, MAX_SEEN_TRACES at most): a trace
+    # it merely saw slow on a route may owe that to another place (a stall there), and says nothing of it.
+    own: dict[bytes, None] = field(default_factory=dict)
     recurrence_of: str | None = None  # the first spike of the chain this one is a return of
     occurrence: int = 1  # 1 for a first spike, 2 for its first return, ...
     first_start_ns: int = 0  # the start of the chain's first spike
@@ -235,7 +238,12 @@ class IncidentBook:
         correction = self.correction(streams)
         opened: list[Incident] = []
         for group in sorted(groups, key=lambda g: g.locus):
-            incident = self._open.get(group.locus) or self._sharing(group) or _same_streams(group, opened)
+            incident = self._open.get(group.locus)
+            if incident is not None:
+                _claim(incident, group.traces)
+            else:
+                incident = self._sharing(group) or _same_streams(group, [*self._open.values(), *opened],
+                                                                 self.settings.min_slow_requests)
             if incident is not None:
                 incident.loci |= group.loci
                 for j in group.members.values():
@@ -255,6 +263,7 @@ class IncidentBook:
             if self.is_over(incident, now_ns):
                 incident.end_ns = max(incident.last_anomalous_end_ns, incident.start_ns + 1)
                 incident.seen.clear()
+                incident.own.clear()
                 del self._open[locus]
                 self.ended.append(incident)
                 out.append(IncidentEvent("resolved", incident))
@@ -341,6 +350,8 @@ class IncidentBook:
         for trace_id, slow in sorted(group.traces.items(), key=lambda kv: kv[1].end_ns):  # what opened it
             incident.recovery.update_one(True, slow.end_ns, slow.end_ns - slow.end_ns % window + window)
             incident.seen[trace_id] = True
+        incident.recovery.chosen = incident.recovery.slow
+        _claim(incident, group.traces)
         incident.recovery.last_slow_ns = last_slow
         incident.slowest = _slowest(None, group.members[lead])
         earlier = self._returning(incident)
@@ -357,7 +368,7 @@ class IncidentBook:
         if not group.traces:
             return None
         for incident in self._open.values():
-            shared = sum(1 for t in group.traces if incident.seen.get(t))
+            shared = sum(1 for t in group.traces if t in incident.own)
             if 2 * shared >= len(group.traces):
                 return incident
         return None
@@ -385,6 +396,15 @@ class IncidentBook:
             incident.slowest = _slowest(incident.slowest, j)
 
 
+def _claim(incident: Incident, traces: Iterable[bytes]) -> None:
+    """Count ``traces`` among ``incident``'s own slow traces, the oldest forgotten past MAX_SEEN_TRACES."""
+    own = incident.own
+    for trace_id in traces:
+        own[trace_id] = None
+    while len(own) > MAX_SEEN_TRACES:
+        del own[next(iter(own))]
+
+
 def _once_per_stall(traces: Iterable[SlowTrace]) -> float:
     """The gain of slow traces, those that were all in flight at one instant counted once (the largest).
 
@@ -401,12 +421,16 @@ def _once_per_stall(traces: Iterable[SlowTrace]) -> float:
     return total + best
 
 
-def _same_streams(group: Group, opened: list[Incident]) -> Incident | None:
-    """An incident opened in this step whose streams saw ``group``'s slow requests too (a hop or an entry
-    stream, not a route: routes carry many faults' requests): one fault whose slow requests were attributed
-    to two neighbouring places, not two faults starting in the same window."""
+def _same_streams(group: Group, near: list[Incident], min_slow_requests: int) -> Incident | None:
+    """An open incident whose streams saw ``group``'s slow requests too (a hop or an entry stream, not a
+    route: routes carry many faults' requests): one fault whose slow requests were attributed to two
+    neighbouring places, not a second fault. A group of fewer slow requests
+    than could open a spike is no such sign (a lone stall elsewhere on the same path): it stays apart, and
+    its request does not pull the incident's causes to its place."""
+    if len(group.traces) < min_slow_requests:
+        return None
     mine = {stream for stream, seen in group.by_stream.items() if seen and not group.members[stream].root}
-    return next((i for i in opened if any(stream in i.members for stream in mine)), None)
+    return next((i for i in near if any(stream in i.members for stream in mine)), None)
 
 
 def _slow_of(group: Group) -> set[bytes]:
