@@ -74,32 +74,6 @@ def test_normal_requests_after_a_fault_end_it_within_a_few_and_a_fault_rarely_lo
     assert early <= 3
 
 
-def test_the_slow_requests_that_opened_a_spike_do_not_make_its_fault_look_total():
-    """Chosen for being slow, the opening requests would set the fault's share near 1, and three normal
-    requests in a row would end a spike whose fault slows only some requests."""
-    def opened() -> RecoveryEvidence:
-        r = RecoveryEvidence()
-        for i in range(3):
-            r.update_one(True, i, 10)
-        r.chosen = r.slow  # as the incident book marks what opened it
-        return r
-
-    r = opened()
-    assert r.share == 0.5  # the prior alone: nothing seen since
-    for i in range(3):
-        r.update_one(False, 20 + i, 30)
-    assert r.value < DetectionSettings().end_evidence
-    r = opened()
-    for i in range(10):  # the fault goes on: every request through its place is slow
-        r.update_one(True, 40 + i, 50)
-    assert r.share > 0.9
-    steps = 0
-    while r.value < DetectionSettings().end_evidence:
-        steps += 1
-        r.update_one(False, 60 + steps, 70)
-    assert steps <= 4 and r.last_slow_ns == 50
-
-
 def test_a_calm_busy_window_counts_for_half_the_end_and_an_elevated_one_starts_it_again():
     r = RecoveryEvidence()
     settings = DetectionSettings()

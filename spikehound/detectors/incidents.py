@@ -350,7 +350,6 @@ class IncidentBook:
         for trace_id, slow in sorted(group.traces.items(), key=lambda kv: kv[1].end_ns):  # what opened it
             incident.recovery.update_one(True, slow.end_ns, slow.end_ns - slow.end_ns % window + window)
             incident.seen[trace_id] = True
-        incident.recovery.chosen = incident.recovery.slow
         _claim(incident, group.traces)
         incident.recovery.last_slow_ns = last_slow
         incident.slowest = _slowest(None, group.members[lead])

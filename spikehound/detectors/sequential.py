@@ -275,15 +275,14 @@ class RecoveryEvidence:
 
     Each request the spike could have slowed (one through its locus, each trace once) is either *slow* (surprise
     ``slow_surprise`` or more) or not. Normal traffic gives a slow one with probability ``normal_slow`` (``10 **
-    -slow_surprise``: one in 30); the fault gives one with the share ``f`` the spike itself showed up to its latest slow
-    request (its slow requests over all it saw until then, with half a request of each as the prior, at most
-    ``max_share``: the calm run being judged is not yet part of the fault; the requests that opened the spike are left
-    out, having been chosen for being slow). A request adds its log-likelihood ratio of normal against the fault,
-    ``log10((1 - p0) / (1 - f))`` for a normal one and ``log10(p0 / f)`` for a slow one, into a sum that never drops
-    below zero. The fault is over once the sum reaches the threshold the caller sets: with ``f`` at its cap and a
-    threshold of 3, three normal requests in a row; under the fault itself such a run has odds near ``(1 - f) ** 3``. A
-    busy stream's calm window counts ``window_weight`` at once (its window test judged dozens of requests), an elevated
-    one as a slow request.
+    -slow_surprise``: one in 30); the fault gives one with the share ``f`` the spike itself showed up to its latest
+    slow request (its slow requests over all it saw until then, with half a request of each as the prior, at most
+    ``max_share``: the calm run being judged is not yet part of the fault). A request adds its log-likelihood ratio
+    of normal against the fault, ``log10((1 - p0) / (1 - f))`` for a normal one and ``log10(p0 / f)`` for a slow
+    one, into a sum that never drops below zero. The fault is over once the sum reaches the threshold the caller
+    sets: with ``f`` at its cap and a threshold of 3, three normal requests in a row; under the fault itself such a
+    run has odds near ``(1 - f) ** 3``. A busy stream's calm window counts ``window_weight`` at once (its window
+    test judged dozens of requests), an elevated one as a slow request.
 
     ``last_slow_ns`` is the end of the window that held the latest slow request: where the spike ended.
 
@@ -301,8 +300,6 @@ class RecoveryEvidence:
     value: float = 0.0
     requests: int = 0  # requests judged from the spike's opening to its latest slow one
     slow: int = 0  # ... of which slow
-    # ... of which the slow requests that opened it: chosen for being slow, they would overstate the share
-    chosen: int = 0
     calm_run: int = 0  # normal requests since the latest slow one
     last_slow_ns: int = 0
     first_seen_ns: int | None = None
@@ -311,8 +308,7 @@ class RecoveryEvidence:
     @property
     def share(self) -> float:
         """The share of the spike's requests that were slow: what the fault does to a request."""
-        slow, requests = self.slow - self.chosen, self.requests - self.chosen
-        return min(max((slow + 0.5) / (requests + 1), 2 * self.normal_slow), self.max_share)
+        return min(max((self.slow + 0.5) / (self.requests + 1), 2 * self.normal_slow), self.max_share)
 
     def update_one(self, slow: bool, end_ns: int, window_end_ns: int) -> float:
         """One request: slow or not, when it ended, the end of its window; returns the evidence."""
