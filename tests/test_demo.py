@@ -40,22 +40,25 @@ DEMO_ARGS = ["--faults", "cpu,network,gpu", "--warmup", "40", "--fault-seconds",
 def readme_curl_examples() -> list[tuple[str, str]]:
     """(id, bash script) per ``curl`` line of the README's sh blocks.
 
-    A script carries its block's earlier ``VAR=$(...)`` lines, which later lines use; an assignment line's
-    own script prints the value it assigned.
+    A script carries what its block's earlier lines set up, so that it passes in any order: their
+    ``VAR=$(...)`` assignments, which later lines use, and their ``POST``s (output dropped), whose resources
+    later lines list. An assignment line's own script prints the value it assigned.
     """
     examples = []
     blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     for block in blocks:
-        assignments: list[str] = []
+        before: list[str] = []
         for line in block.splitlines():
             command = line.split("  #")[0].strip()
             if "curl " not in command:
                 continue
             assigned = re.match(r"^([A-Z_]+)=\$\(", command)
             shown = f'\nprintf "%s" "${assigned[1]}"' if assigned else ""
-            examples.append((command[:70], "\n".join([*assignments, command]) + shown))
+            examples.append((command[:70], "\n".join([*before, command]) + shown))
             if assigned:
-                assignments.append(command)
+                before.append(command)
+            elif "-X POST" in command:
+                before.append(command + " >/dev/null")
     return examples
 
 
