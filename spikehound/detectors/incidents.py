@@ -236,13 +236,13 @@ class IncidentBook:
         """Judge one window's groups; return the incidents that opened or grew."""
         events: list[IncidentEvent] = []
         correction = self.correction(streams)
-        opened: list[Incident] = []
         for group in sorted(groups, key=lambda g: g.locus):
             incident = self._open.get(group.locus)
             if incident is not None:
                 _claim(incident, group.traces)
             else:
-                incident = self._sharing(group) or _same_streams(group, [*self._open.values(), *opened],
+                # Incidents opened earlier in this step are among the open ones already.
+                incident = self._sharing(group) or _same_streams(group, self._open.values(),
                                                                  self.settings.min_slow_requests)
             if incident is not None:
                 incident.loci |= group.loci
@@ -252,7 +252,6 @@ class IncidentBook:
                 continue
             new = self._try_open(group, evidence_of, correction, now_ns)
             if new is not None:
-                opened.append(new)
                 events.append(IncidentEvent("opened", new, list(group.members.values()), _slow_of(group)))
         return events
 
@@ -420,7 +419,7 @@ def _once_per_stall(traces: Iterable[SlowTrace]) -> float:
     return total + best
 
 
-def _same_streams(group: Group, near: list[Incident], min_slow_requests: int) -> Incident | None:
+def _same_streams(group: Group, near: Iterable[Incident], min_slow_requests: int) -> Incident | None:
     """An open incident whose streams saw ``group``'s slow requests too (a hop or an entry stream, not a
     route: routes carry many faults' requests): one fault whose slow requests were attributed to two
     neighbouring places, not a second fault. A group of fewer slow requests
