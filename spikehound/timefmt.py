@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 
-NS = 1_000_000_000
+from spikehound.units import NS
+
+__all__ = ["MAX_NS", "MIN_NS", "NS", "parse_time", "rfc3339"]
 # Times are stored as signed 64-bit nanoseconds: 1677-09-21 to 2262-04-11.
 MIN_NS, MAX_NS = -(2**63), 2**63 - 1
 
