@@ -148,6 +148,56 @@ def test_calls_into_a_spikes_place_from_callers_it_never_slowed_are_no_sign_its_
     assert recovery.calm_run == 5 and recovery.value > 1.0
 
 
+def _calls(first_trace: int, slow: list[bool], at_s: float, stream: StreamKey = HOP
+           ) -> list[tuple[int, bytes, bool, int, StreamKey]]:
+    """Requests through a spike's locus, one a second from ``at_s``: (end, trace, slow, window end, stream)."""
+    window, out = 10 * NS, []
+    for i, is_slow in enumerate(slow):
+        end = T0 + int((at_s + i) * NS)
+        out.append((end, (first_trace + i).to_bytes(16, "big"), is_slow, end - end % window + window, stream))
+    return out
+
+
+def test_a_fault_that_lets_a_few_calls_through_stays_one_spike_and_a_stray_slow_call_moves_nothing():
+    book = IncidentBook(DetectionSettings())
+    group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})
+    (opened,) = book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    incident = opened.incident
+    book.observe(incident, _calls(100, [False] * 4, 51))
+    assert book.resolve(T0 + 55 * NS) == [] and incident.end_ns is None  # over, held
+    assert book.hold_ns(incident) == 3 * (54 - 30) * NS // 5  # three typical gaps of its requests (30-54 s: 6)
+    # The fault was letting calls through: two slow ones in the hold, and it is the same spike, still open.
+    book.observe(incident, _calls(200, [True, True], 61))
+    book.observe(incident, _calls(300, [False] * 6, 63))
+    held_from = T0 + 70 * NS
+    assert book.resolve(held_from) == [] and book.open_count == 1
+    # A lone stray slow call in the next hold neither cancels it nor moves the end.
+    book.observe(incident, _calls(400, [True], 72))
+    book.observe(incident, _calls(500, [False] * 6, 73))
+    hold = book.hold_ns(incident)
+    assert book.resolve(held_from + hold - NS) == []
+    (resolved,) = book.resolve(held_from + hold)
+    assert resolved.incident is incident
+    assert incident.end_ns == T0 + 70 * NS  # the window of the last slow calls before the hold
+
+
+def test_normal_calls_of_a_route_the_fault_barely_slows_say_little_toward_its_end():
+    """A CPU fault slows every call of one route and one in three of another: three normal calls of the second
+    in a row are common while the fault lasts, and must not end its spike."""
+    book = IncidentBook(DetectionSettings())
+    group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})
+    (opened,) = book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    incident = opened.incident
+    book.observe(incident, _calls(100, [True] * 6, 50))
+    book.observe(incident, _calls(200, [i % 3 == 0 for i in range(12)], 56, ROUTE))
+    before = incident.recovery.value
+    book.observe(incident, _calls(300, [False] * 3, 70, ROUTE))
+    assert incident.recovery.value - before < 1.0
+    # The same three through the place it slowed every time say the fault is over.
+    book.observe(incident, _calls(400, [False] * 3, 75))
+    assert incident.recovery.value >= DetectionSettings().end_evidence
+
+
 def test_a_group_with_the_locus_of_an_open_incident_extends_it():
     book = IncidentBook(DetectionSettings())
     group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})

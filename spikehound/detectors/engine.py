@@ -44,7 +44,7 @@ from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Me
 __all__ = ["CHECKPOINT_FORMAT", "Detection", "DetectionEngine"]
 
 # Bump when the pickled state's layout changes: an older checkpoint is then ignored, not misread.
-CHECKPOINT_FORMAT = 4
+CHECKPOINT_FORMAT = 5
 MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outage of the gateway moves them all
 _WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows
@@ -313,7 +313,7 @@ class DetectionEngine:
         """
         s = self.settings
         for incident in self.incidents.open_incidents:
-            views: list[tuple[int, bytes, bool, int]] = []
+            views: list[tuple[int, bytes, bool, int, StreamKey]] = []
             for j in judgements:
                 member = incident.members.get(j.stream)
                 # A stream counts once it carried some of the incident's slow requests (a route that only
@@ -329,7 +329,7 @@ class DetectionEngine:
                     continue
                 for surprise, (_, trace_id, _, end) in j.scored:
                     if direct or self.traces.touches(trace_id, incident.locus):
-                        views.append((end, trace_id, surprise >= s.slow_surprise, j.window_end_ns))
+                        views.append((end, trace_id, surprise >= s.slow_surprise, j.window_end_ns, j.stream))
             if views:
                 self.incidents.observe(incident, views)
 

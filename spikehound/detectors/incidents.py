@@ -38,8 +38,11 @@ still one strong spike.
 - It ends on evidence that its fault is over (:class:`RecoveryEvidence`, fed
   by the engine with the requests through its locus: a CUSUM toward normal,
   each trace once), or when those requests stopped for ten of their typical
-  gaps (``quiet_min_ns`` to ``quiet_max_ns``). Its end is the end of the
-  window of its last slow request; its streams then start from zero evidence.
+  gaps (``quiet_min_ns`` to ``quiet_max_ns``), and stayed so for three of
+  those gaps, a window to ``end_hold_ns`` (a fault that lets a few calls through is one spike; slow
+  requests enough to open a spike cancel the end, a lone stray one does not). Its end is
+  the end of the window of its last slow request before the hold; its streams
+  then start from zero evidence.
 - A spike that opens at the place of one that ended within ``recurrence_ns``
   is its **return**: a new spike, with its own onset, causes and page, linked
   to the first of the chain (``recurrence_of``) and numbered (``occurrence``).
@@ -189,6 +192,11 @@ class Incident:
     recurrence_of: str | None = None  # the first spike of the chain this one is a return of
     occurrence: int = 1  # 1 for a first spike, 2 for its first return, ...
     first_start_ns: int = 0  # the start of the chain's first spike
+    # Since when the evidence has said its fault is over (None while it has not), the end it would have then, and
+    # how many slow requests it had counted by then.
+    ending_since_ns: int | None = None
+    ending_at_ns: int = 0
+    ending_slow_before: int = 0
 
     @property
     def state(self) -> str:
@@ -256,20 +264,41 @@ class IncidentBook:
         return events
 
     def resolve(self, now_ns: int) -> list[IncidentEvent]:
-        """End the incidents whose fault is over (see :meth:`is_over`), as of event time ``now_ns``."""
+        """End the incidents whose fault is over (see :meth:`is_over`) and stayed over for :meth:`hold_ns`, as
+        of event time ``now_ns``.
+
+        A fault that lets a few calls through now and then is one spike: while the hold lasts, ``min_slow_requests``
+        slow requests that take the evidence back under ``end_evidence`` (or a busy window elevated again) cancel
+        the end, and a lone stray slow request does not move it.
+        """
+        s = self.settings
         out = []
         for locus, incident in list(self._open.items()):
-            if self.is_over(incident, now_ns):
-                incident.end_ns = max(incident.last_anomalous_end_ns, incident.start_ns + 1)
-                incident.seen.clear()
-                incident.own.clear()
-                del self._open[locus]
-                self.ended.append(incident)
-                out.append(IncidentEvent("resolved", incident))
-        horizon = now_ns - self.settings.recurrence_ns
+            if not self.is_over(incident, now_ns):
+                continue
+            if incident.ending_since_ns is None:
+                incident.ending_since_ns, incident.ending_at_ns = now_ns, incident.last_anomalous_end_ns
+                incident.ending_slow_before = incident.recovery.slow
+            if now_ns - incident.ending_since_ns < self.hold_ns(incident):
+                continue
+            incident.end_ns = max(incident.ending_at_ns, incident.start_ns + 1)
+            incident.last_anomalous_end_ns = incident.end_ns
+            incident.seen.clear()
+            incident.own.clear()
+            del self._open[locus]
+            self.ended.append(incident)
+            out.append(IncidentEvent("resolved", incident))
+        horizon = now_ns - s.recurrence_ns
         while self.ended and (self.ended[0].end_ns or 0) < horizon:
             self.ended.pop(0)
         return out
+
+    def hold_ns(self, incident: Incident) -> int:
+        """How long an incident stays open once its evidence says the fault is over: three of its requests'
+        typical gaps, at least a window (a busy stream judged by windows) and at most ``end_hold_ns``."""
+        s = self.settings
+        gap = incident.recovery.typical_gap_ns()
+        return s.window_ns if gap is None else min(max(3 * gap, s.window_ns), s.end_hold_ns)
 
     def is_over(self, incident: Incident, now_ns: int) -> bool:
         """Enough evidence toward normal, or its requests stopped for ten of their typical gaps."""
@@ -282,33 +311,49 @@ class IncidentBook:
         quiet = s.quiet_max_ns if gap is None else min(max(10 * gap, s.quiet_min_ns), s.quiet_max_ns)
         return now_ns - last >= quiet
 
-    def observe(self, incident: Incident, views: list[tuple[int, bytes, bool, int]]) -> None:
-        """Requests through ``incident``'s locus, (end, trace id, slow, window end): toward its end or not.
+    def observe(self, incident: Incident, views: list[tuple[int, bytes, bool, int, StreamKey]]) -> None:
+        """Requests through ``incident``'s locus, (end, trace id, slow, window end, stream): toward its end or not.
 
-        A trace seen by several of its streams counts once, slow when any of them found it slow.
+        A trace seen by several of its streams counts once, slow when any of them found it slow, judged by what
+        the fault did to the streams it went through (:meth:`RecoveryEvidence.share_of`).
         """
-        traces: dict[bytes, tuple[int, bool, int]] = {}
-        for end, trace_id, slow, window_end in views:
+        traces: dict[bytes, tuple[int, bool, int, list[StreamKey]]] = {}
+        for end, trace_id, slow, window_end, stream in views:
             seen = traces.get(trace_id)
             if seen is None:
-                traces[trace_id] = (end, slow, window_end)
-            elif slow and not seen[1]:
-                traces[trace_id] = (min(seen[0], end), True, window_end)
-        recovery, seen = incident.recovery, incident.seen
-        for trace_id, (end, slow, window_end) in sorted(traces.items(), key=lambda kv: kv[1][0]):
-            before = seen.get(trace_id)
+                traces[trace_id] = (end, slow, window_end, [stream])
+            else:
+                seen[3].append(stream)
+                if slow and not seen[1]:
+                    traces[trace_id] = (min(seen[0], end), True, window_end, seen[3])
+        recovery, seen_before = incident.recovery, incident.seen
+        for trace_id, (end, slow, window_end, streams) in sorted(traces.items(), key=lambda kv: kv[1][0]):
+            before = seen_before.get(trace_id)
             if before is None or (slow and not before):
-                recovery.update_one(slow, end, window_end)
-                seen[trace_id] = slow
-                if len(seen) > MAX_SEEN_TRACES:
-                    del seen[next(iter(seen))]
+                recovery.update_one(slow, end, window_end, streams)
+                if slow:
+                    self._back(incident)
+                seen_before[trace_id] = slow
+                if len(seen_before) > MAX_SEEN_TRACES:
+                    del seen_before[next(iter(seen_before))]
         incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, recovery.last_slow_ns)
 
     def observe_window(self, incident: Incident, elevated: bool, window_end_ns: int) -> None:
         """A busy window of a stream whose window test fired in ``incident``: still elevated or calm."""
         s = self.settings
         incident.recovery.update_window(elevated, window_end_ns, s.end_evidence / max(s.resolve_windows, 1))
+        if elevated:
+            self._back(incident)
         incident.last_anomalous_end_ns = max(incident.last_anomalous_end_ns, incident.recovery.last_slow_ns)
+
+    def _back(self, incident: Incident) -> None:
+        """After a slow request or an elevated window: a spike whose end is being held is open again when its
+        fault came back (slow requests enough to open a spike, the evidence under the end's), not for a stray."""
+        s, recovery = self.settings, incident.recovery
+        if incident.ending_since_ns is not None and (recovery.value <= 0.0 or (
+                recovery.value < s.end_evidence
+                and recovery.slow - incident.ending_slow_before >= s.min_slow_requests)):
+            incident.ending_since_ns = None
 
     # -- internals ---------------------------------------------------------
 
@@ -347,7 +392,8 @@ class IncidentBook:
                             detected_ns=now_ns, evidence=round(strength, 2), last_anomalous_end_ns=last_slow,
                             members=members, loci={group.locus, *group.loci}, first_start_ns=start)
         for trace_id, slow in sorted(group.traces.items(), key=lambda kv: kv[1].end_ns):  # what opened it
-            incident.recovery.update_one(True, slow.end_ns, slow.end_ns - slow.end_ns % window + window)
+            places = [stream for stream, seen in group.by_stream.items() if trace_id in seen]
+            incident.recovery.update_one(True, slow.end_ns, slow.end_ns - slow.end_ns % window + window, places)
             incident.seen[trace_id] = True
         _claim(incident, group.traces)
         incident.recovery.last_slow_ns = last_slow

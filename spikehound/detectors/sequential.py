@@ -275,28 +275,41 @@ class RecoveryEvidence:
 
     Each request the spike could have slowed (one through its locus, each trace once) is either *slow* (surprise
     ``slow_surprise`` or more) or not. Normal traffic gives a slow one with probability ``normal_slow`` (``10 **
-    -slow_surprise``: one in 30); the fault gives one with the share ``f`` the spike itself showed up to its latest
-    slow request (its slow requests over all it saw until then, with half a request of each as the prior, at most
-    ``max_share``: the calm run being judged is not yet part of the fault). A request adds its log-likelihood ratio
-    of normal against the fault, ``log10((1 - p0) / (1 - f))`` for a normal one and ``log10(p0 / f)`` for a slow
-    one, into a sum that never drops below zero. The fault is over once the sum reaches the threshold the caller
-    sets: with ``f`` at its cap and a threshold of 3, three normal requests in a row; under the fault itself such a
-    run has odds near ``(1 - f) ** 3``. A busy stream's calm window counts ``window_weight`` at once (its window
-    test judged dozens of requests), an elevated one as a slow request.
+    -slow_surprise``: one in 30); the fault gives one with the share ``f`` it showed on the places (streams) the
+    request went through, up to their latest slow request (the calm run being judged is not yet part of the fault).
+    A fault moves its places unevenly: a CPU fault may slow one route's every call and another's one in three, and
+    a normal call of the second says little. So each place keeps its own share, its slow requests over all it saw,
+    drawn toward the spike's share over every place by ``prior_requests`` requests' worth; a request takes the
+    highest share among its places, at most ``max_share``. A request adds its log-likelihood ratio of normal
+    against the fault, ``log10((1 - p0) / (1 - f))`` for a normal one and ``log10(p0 / f)`` for a slow one, into a
+    sum that never drops below zero. The fault is over once the sum reaches the threshold the caller sets: with
+    ``f`` at its cap and a threshold of 3, three normal requests in a row; under the fault itself such a run has
+    odds near ``(1 - f) ** 3``. A busy stream's calm window counts ``window_weight`` at once (its window test
+    judged dozens of requests), an elevated one as a slow request.
 
     ``last_slow_ns`` is the end of the window that held the latest slow request: where the spike ended.
 
     >>> r = RecoveryEvidence(last_slow_ns=60)
     >>> for i in range(6):
-    ...     _ = r.update_one(True, 100 + i, 110)
-    >>> [round(r.update_one(False, 200 + i, 210), 2) for i in range(3)]
-    [1.13, 2.26, 3.4]
-    >>> round(r.update_one(True, 300, 310), 2), r.last_slow_ns
-    (1.93, 310)
+    ...     _ = r.update_one(True, 100 + i, 110, ("route",))
+    >>> [round(r.update_one(False, 200 + i, 210, ("route",)), 2) for i in range(3)]
+    [1.29, 2.57, 3.86]
+    >>> round(r.update_one(True, 300, 310, ("route",)), 2), r.last_slow_ns
+    (2.38, 310)
+
+    A place the fault slows one call in three says less per normal call than one it slows every time:
+
+    >>> uneven = RecoveryEvidence()
+    >>> for i in range(12):
+    ...     _ = uneven.update_one(True, i, 10, ("hop",))
+    ...     _ = uneven.update_one(i % 3 == 0, i, 10, ("side route",))
+    >>> round(uneven.share_of(("hop",)), 2), round(uneven.share_of(("side route",)), 2)
+    (0.95, 0.45)
     """
 
     normal_slow: float = 10 ** -1.5
     max_share: float = 0.95
+    prior_requests: float = 2.0  # how many requests' worth of the spike's share a place starts from
     value: float = 0.0
     requests: int = 0  # requests judged from the spike's opening to its latest slow one
     slow: int = 0  # ... of which slow
@@ -304,15 +317,31 @@ class RecoveryEvidence:
     last_slow_ns: int = 0
     first_seen_ns: int | None = None
     last_seen_ns: int | None = None
+    # The same three counts per place: [requests to its latest slow one, slow, normal since].
+    places: dict[Any, list[int]] = field(default_factory=dict)
 
     @property
     def share(self) -> float:
         """The share of the spike's requests that were slow: what the fault does to a request."""
-        return min(max((self.slow + 0.5) / (self.requests + 1), 2 * self.normal_slow), self.max_share)
+        return self._bounded((self.slow + 0.5) / (self.requests + 1))
 
-    def update_one(self, slow: bool, end_ns: int, window_end_ns: int) -> float:
-        """One request: slow or not, when it ended, the end of its window; returns the evidence."""
-        p0, f = self.normal_slow, self.share
+    def share_of(self, places: Sequence[Any]) -> float:
+        """The share of slow requests the fault gives a request through ``places``: the highest of theirs."""
+        overall = self.share
+        best = 0.0
+        for place in places:
+            counts = self.places.get(place)
+            if counts is None:
+                best = max(best, overall)
+            else:
+                k = self.prior_requests
+                best = max(best, (counts[1] + k * overall) / (counts[0] + k))
+        return self._bounded(best) if places else overall
+
+    def update_one(self, slow: bool, end_ns: int, window_end_ns: int, places: Sequence[Any] = ()) -> float:
+        """One request: slow or not, when it ended, the end of its window, the places (streams) it went
+        through; returns the evidence."""
+        p0, f = self.normal_slow, self.share_of(places)
         if slow:
             self.requests += self.calm_run + 1
             self.slow += 1
@@ -322,10 +351,21 @@ class RecoveryEvidence:
         else:
             self.calm_run += 1
             self.value += math.log10((1 - p0) / (1 - f))
+        for place in places:
+            counts = self.places.setdefault(place, [0, 0, 0])
+            if slow:
+                counts[0] += counts[2] + 1
+                counts[1] += 1
+                counts[2] = 0
+            else:
+                counts[2] += 1
         if self.first_seen_ns is None:
             self.first_seen_ns = end_ns
         self.last_seen_ns = max(self.last_seen_ns or end_ns, end_ns)
         return self.value
+
+    def _bounded(self, share: float) -> float:
+        return min(max(share, 2 * self.normal_slow), self.max_share)
 
     def update_window(self, elevated: bool, window_end_ns: int, window_weight: float) -> float:
         """One busy window judged by the window test: elevated (slow) or calm (``window_weight`` toward normal)."""

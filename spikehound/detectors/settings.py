@@ -53,6 +53,7 @@ class DetectionSettings:
     end_evidence: float = 3.0  # evidence toward normal (log10 odds) that ends a spike: 3-4 normal requests
     quiet_min_ns: int = 120 * S  # a spike whose requests stopped ends after ten of their typical gaps, at least
     quiet_max_ns: int = 600 * S  # ... this and at most this
+    end_hold_ns: int = 30 * S  # ... once it stayed there 3 request gaps (a window to this): a fault lets calls through
     quarantine_before_ns: int = 60 * S  # nothing of the minute before a spike's onset is learned as normal
     recurrence_ns: int = 3600 * S  # a spike at the same place within this of an earlier one's end is its return
     # Incidents (see spikehound.detectors.incidents); both thresholds grow with log10(streams judged / 10).
