@@ -54,7 +54,8 @@ from harness.daemons import CollectorProcess
 from harness.scenario_io import scenario_requests, send
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.long_trace import long_trace
-from spikehound.scenarios.traffic import MS, NS, Scenario
+from spikehound.scenarios.traffic import Scenario
+from spikehound.units import MS, NS
 
 SCENARIO = {"name": "gpu_drop", "strength": "large", "seed": 3, "minutes": 5, "onset_s": 212.0, "fault_s": 60.0}
 INJECT_AT_S = 216  # inside the spike's first window, [210 s, 220 s)

@@ -38,8 +38,7 @@ from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Cause, LatencyWindow, Spike
 from spikehound.scenarios.traffic import CONTROLS, FAULTS, Scenario, Truth
-
-NS = 1_000_000_000
+from spikehound.units import NS
 
 
 @dataclass(slots=True)

@@ -35,8 +35,8 @@ from spikehound.model import Span
 from spikehound.otlp import encode_spans
 from spikehound.scenarios.traffic import Scenario
 from spikehound.timefmt import parse_time
+from spikehound.units import NS
 
-NS = 1_000_000_000
 EPOCH_NS = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z: where a dataset built only to be described starts
 GRID_NS = 60 * NS  # runs start on a whole minute: the windows (10 s) cut every run's traffic alike
 PROTOBUF = {"Content-Type": "application/x-protobuf"}

@@ -27,8 +27,8 @@ from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Spike
 from spikehound.scenarios.fault_patterns import FAMILIES
 from spikehound.scenarios.mesh_traffic import MeshTimeline
+from spikehound.units import NS
 
-NS = 1_000_000_000
 WITHIN_S = 120.0
 BUSY_CALLS_PER_MIN = 15.0
 

@@ -29,8 +29,8 @@ from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Spike
 from spikehound.scenarios.mesh_traffic import MeshFault, MeshTimeline
+from spikehound.units import NS
 
-NS = 1_000_000_000
 WITHIN_S = 120.0
 
 

@@ -161,12 +161,12 @@ def test_the_core_imports_no_component_except_from_the_cli():
 
 def test_detectors_are_pure_computation_on_the_core_model():
     def rule(name: str) -> str | None:
-        if unit(name) == "detectors" or name == "spikehound.model" or name.startswith("spikehound.model."):
+        if unit(name) == "detectors" or name in ("spikehound.model", "spikehound.units"):
             return None
         if top(name) in IO_MODULES:
             return "detectors do no I/O, networking, storage or clock reading"
         if top(name) in OURS:
-            return "detectors know only the core model (spikehound.model)"
+            return "detectors know only the core model (spikehound.model) and its units (spikehound.units)"
         if top(name) in PURE_LIBRARIES or top(name) in sys.stdlib_module_names:
             return None
         return "not a pure computation library"

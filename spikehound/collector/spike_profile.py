@@ -49,7 +49,8 @@ from spikehound.detectors.stack_diff import (
 )
 from spikehound.model import CauseKind, Spike
 from spikehound.storage.reader import MAX_PROFILE_ROWS, Reader
-from spikehound.timefmt import NS, rfc3339
+from spikehound.timefmt import rfc3339
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.collector.spike_profile")
 

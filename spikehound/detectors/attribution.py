@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 from spikehound.detectors.critical_path import TraceIndex, critical_path_times, hop_callees
 from spikehound.detectors.resource import ResourceFlag
 from spikehound.model import Cause, CauseKind, Span, SpanKind
+from spikehound.units import MS
 
 __all__ = ["Breakdown", "NormalProfile", "attribute", "breakdown"]
 
 # (kind, service, operation, peer service); see the module docstring.
 Key = tuple[str, str, str | None, str | None]
-MS = 1e6
 SPECIFIC_SPAN_SHARE = 0.6  # a span holding this much of its service's growth is the better answer
 MIN_SCORE = 0.05  # components explaining less than 5 % of the added latency are not causes
 UNANSWERED = ""  # the peer of a span component that is a CLIENT span no server answered

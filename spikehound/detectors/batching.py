@@ -35,11 +35,9 @@ import numpy as np
 
 from spikehound.detectors.bootstrap import DEFAULT_REPLICATES, Sample, interval
 from spikehound.model import Span
+from spikehound.units import MS, NS
 
 __all__ = ["BatchGroup", "BatchRequest", "BatchingReport", "analyze_batching", "batch_requests"]
-
-MS = 1e6
-NS = 1e9
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,8 @@ rollup by service books each span's self time to its service and every gap to
 
 >>> from spikehound.detectors.path_time import Stage
 >>> resize, forward = Stage("span", "pre", "resize"), Stage("span", "model", "forward")
->>> ms = 1_000_000
->>> normal = [(10 * ms, {resize: 2 * ms, forward: 8 * ms})] * 98
->>> slow = [(50 * ms, {resize: 42 * ms, forward: 8 * ms})] * 2
+>>> normal = [(10 * MS, {resize: 2 * MS, forward: 8 * MS})] * 98
+>>> slow = [(50 * MS, {resize: 42 * MS, forward: 8 * MS})] * 2
 >>> b = pipeline_breakdown("gw", "GET /", normal + slow, min_group=2)
 >>> [(s.stage.name, round(s.median_share, 2), round(s.tail_share, 2)) for s in b.stages]
 [('resize', 0.2, 0.84), ('forward', 0.8, 0.16)]
@@ -29,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from spikehound.detectors.path_time import Stage
+from spikehound.units import MS
 
 __all__ = ["Breakdown", "ServiceShare", "StageShare", "pipeline_breakdown"]
 
-MS = 1e6
 NETWORK = "network"
 
 

@@ -46,12 +46,12 @@ import numpy as np
 from spikehound.detectors.bootstrap import DEFAULT_REPLICATES, Delta, Sample, delta
 from spikehound.detectors.path_time import Stage
 from spikehound.detectors.profile import Profile
+from spikehound.units import MS
 
 __all__ = ["QUANTILES", "CompareOptions", "Comparison", "OperationComparison", "StageComparison", "compare",
            "comparison_report"]
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
-MS = 1e6
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,11 +49,10 @@ from dataclasses import dataclass, field
 
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 from spikehound.scenarios.traffic import Batch, poisson
+from spikehound.units import MS, NS
 
 __all__ = ["FAULT_KINDS", "GATEWAY", "MeshFault", "MeshTimeline", "reach"]
 
-NS = 1_000_000_000
-MS = 1_000_000
 GATEWAY = "ts-gateway-service"
 FAULT_KINDS = ("delay", "netem", "cpu")
 

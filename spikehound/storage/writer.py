@@ -32,8 +32,9 @@ from spikehound.model import Frame, LatencyWindow, MetricPoint, ProfileStack, Sp
 from spikehound.otlp import encode_spans
 from spikehound.storage import schema
 from spikehound.storage.cluster import FeedStamp, add_feed_row
+from spikehound.units import NS
 
-HOST_TOUCH_INTERVAL_NS = 1_000_000_000  # hosts.last_seen_at is refreshed at most once a second
+HOST_TOUCH_INTERVAL_NS = NS  # hosts.last_seen_at is refreshed at most once a second
 OPERATION_REFRESH_SECONDS = 3600  # operations.first_seen_at is refreshed at most once an hour
 CACHE_ENTRY_BYTES = 200  # a cache entry's memory besides its strings: key tuple, value, dict slot
 CACHE_MAX_BYTES = {"operations": 32 * 2**20, "series": 16 * 2**20, "host_touched": 4 * 2**20}

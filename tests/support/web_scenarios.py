@@ -26,7 +26,8 @@ from typing import Any
 from harness.daemons import CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
 from spikehound.model import Span
-from spikehound.scenarios.traffic import NS, Batch, Scenario
+from spikehound.scenarios.traffic import Batch, Scenario
+from spikehound.units import NS
 
 EVIL_SPAN = "<img src=x onerror=alert(1)>"
 EVIL_ATTRIBUTE = "<script>alert(2)</script>"
