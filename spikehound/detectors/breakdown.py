@@ -30,7 +30,7 @@ from typing import Any
 from spikehound.detectors.path_time import Stage
 from spikehound.units import MS
 
-__all__ = ["Breakdown", "ServiceShare", "StageShare", "pipeline_breakdown"]
+__all__ = ["PipelineBreakdown", "ServiceShare", "StageShare", "pipeline_breakdown"]
 
 NETWORK = "network"
 
@@ -54,7 +54,7 @@ class ServiceShare:
 
 
 @dataclass(slots=True)
-class Breakdown:
+class PipelineBreakdown:
     service: str
     operation: str
     requests: int
@@ -101,7 +101,7 @@ def _totals(group: Sequence[tuple[int, Mapping[Stage, int]]]) -> tuple[dict[Stag
 
 def pipeline_breakdown(service: str, operation: str, requests: Sequence[tuple[int, Mapping[Stage, int]]], *,
                        tail_quantile: float = 0.99, median_band: float = 0.05, min_group: int = 5
-                       ) -> Breakdown | None:
+                       ) -> PipelineBreakdown | None:
     """The breakdown of one operation's requests; None without requests."""
     n = len(requests)
     if n == 0:
@@ -128,5 +128,5 @@ def pipeline_breakdown(service: str, operation: str, requests: Sequence[tuple[in
             row[i] += value
     services = sorted((ServiceShare(name, *values) for name, values in by_service.items()),
                       key=lambda s: (-s.tail_share, s.service))
-    return Breakdown(service, operation, n, len(median), (median[0][0], median[-1][0]), len(tail),
+    return PipelineBreakdown(service, operation, n, len(median), (median[0][0], median[-1][0]), len(tail),
                      (tail[0][0], tail[-1][0]), stages, services)
