@@ -115,7 +115,6 @@ class PacedSender(threading.Thread):
         self.retries = 0
         self.max_lag_s = 0.0
         self.error: BaseException | None = None
-        self.last_second = -1
 
     def run(self) -> None:
         try:
@@ -129,7 +128,6 @@ class PacedSender(threading.Thread):
                     else:
                         self.max_lag_s = max(self.max_lag_s, -wait)
                     self._post(session, body, keys)
-                    self.last_second = second
         except BaseException as exc:  # reported by the campaign
             self.error = exc
 

@@ -90,10 +90,6 @@ class ProfileGroup:
     def where(self) -> str:
         return f"{self.service or 'an unnamed service'} on {self.host}"
 
-    def culprit_sentence(self) -> str | None:
-        c = self.diff.culprit
-        return sentence(c, self.service or self.host) if c is not None else None
-
 
 @dataclass(frozen=True, slots=True)
 class SpikeProfile:

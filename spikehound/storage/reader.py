@@ -108,10 +108,6 @@ class Reader:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def ping(self) -> None:
-        with self.engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-
     def trace(self, trace_id: bytes) -> list[Span]:
         """Every span of a trace, oldest first; a span stored twice (a retried export) is served once."""
         b, t = schema.span_blocks, schema.trace_blocks
