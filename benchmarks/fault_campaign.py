@@ -473,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--disk-rlimit", action="store_true",
                         help="disk full by RLIMIT_FSIZE on the collector even where a tmpfs can be mounted")
     parser.add_argument("--dataset-faults", default="slow_db,queue_wait,downstream_slow",
-                        help="latency faults of the dataset, in order (spikehound.scenarios.traffic.FAULTS)")
+                        help="latency faults of the dataset, in order (harness.scenarios.traffic.FAULTS)")
     parser.add_argument("--warmup", type=float, default=130.0, help="normal traffic before the first fault (s)")
     parser.add_argument("--fault-seconds", type=float, default=30.0, help="length of each latency fault (s)")
     parser.add_argument("--gap", type=float, default=40.0, help="normal traffic after each latency fault (s)")

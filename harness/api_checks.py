@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
 from harness.api_client import ApiClient, client_of
 from harness.daemons import CollectorProcess, free_port
 from harness.scenario_io import scenario_requests, send
-from spikehound.scenarios.traffic import Scenario
+from harness.scenarios.traffic import Scenario
 
 LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) |Traceback")
 

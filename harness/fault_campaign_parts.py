@@ -30,10 +30,10 @@ from typing import Any
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from harness.scenarios.traffic import Scenario
 from harness.webhook_receiver import WebhookReceiver
 from spikehound.model import Span
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.traffic import Scenario
 from spikehound.timefmt import parse_time
 from spikehound.units import NS
 

@@ -51,6 +51,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from harness.api_client import ApiClient, get_json
 from harness.daemons import CollectorThread
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Scenario
 from spikehound import cli
 from spikehound.collector.analysis import parse_selection
 from spikehound.collector.rest.common import ApiError, whole_number
@@ -68,7 +69,6 @@ from spikehound.otlp import (
     parse_metrics_request,
     parse_trace_request,
 )
-from spikehound.scenarios.traffic import Scenario
 from spikehound.timefmt import MAX_NS, MIN_NS, parse_time
 
 

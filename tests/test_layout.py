@@ -1,7 +1,7 @@
 """The dependency rules of the layout (docs/architecture.md), read from the imports; and the doctests.
 
 Everything shipped lives in one top-level package, ``spikehound``: its core modules (``spikehound/*.py``, the
-demo, the scenarios) and four components below it (``spikehound.agent``, ``.collector``, ``.detectors``,
+demo) and four components below it (``spikehound.agent``, ``.collector``, ``.detectors``,
 ``.storage``). The rules speak of "units": a component's name, ``core`` for the rest of ``spikehound``, or the
 top-level name of anything else."""
 
@@ -229,7 +229,7 @@ def test_no_test_module_is_imported():
 
 
 def test_tests_and_benchmarks_do_not_import_each_other():
-    """Both may use harness/ and the product (its traffic generators are spikehound/scenarios/); harness/
+    """Both may use harness/ (the traffic generators among it: harness/scenarios/) and the product; harness/
     uses neither of them."""
 
     def rule_for(package: str) -> object:
@@ -246,6 +246,20 @@ def test_tests_and_benchmarks_do_not_import_each_other():
     assert found == []
     # the rule sees the imports it is about
     assert "harness.daemons" in {name for name, _ in imports_of(ROOT / "tests" / "conftest.py")}
+
+
+def test_the_product_imports_nothing_that_checks_or_measures_it():
+    """tests/, benchmarks/ and harness/ (the scenario generators included) are not installed: an import of
+    them from spikehound/ works in this checkout and fails in every installed copy."""
+
+    def rule(name: str) -> str | None:
+        if top(name) in TOOLING:
+            return f"{top(name)}/ is not shipped; what the product needs belongs in spikehound/"
+        return None
+
+    assert violations(PACKAGES, rule) == []
+    # the rule sees the imports it is about
+    assert "harness.scenarios.traffic" in {name for name, _ in imports_of(ROOT / "harness" / "detection.py")}
 
 
 # --- the collector's wiring -------------------------------------------------------------------
@@ -302,13 +316,13 @@ def test_detectors_and_alert_routing_load_no_web_framework(module):
 
 # --- doctests ---------------------------------------------------------------------------------
 
-DOCTESTED = ("spikehound",)
+DOCTESTED = ("spikehound", "harness/scenarios")  # the scenarios' doctests say what the generators make
 DOCTEST_MODULES = sorted(module_name(p) for p in source_files(*DOCTESTED) if ">>>" in p.read_text())
 
 
 def test_the_doctested_modules_are_found():
     assert {"spikehound.config", "spikehound.model", "spikehound.timefmt", "spikehound.otlp",
-            "spikehound.storage.engine"} <= set(DOCTEST_MODULES)
+            "spikehound.storage.engine", "harness.scenarios.traffic"} <= set(DOCTEST_MODULES)
 
 
 @pytest.mark.parametrize("name", DOCTEST_MODULES)
