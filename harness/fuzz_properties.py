@@ -1,4 +1,4 @@
-"""The fuzzed properties (issue 16): generated hostile input never crashes, stalls or 5xx's spikehound.
+"""The fuzzed properties: generated hostile input never crashes, stalls or 5xx's spikehound.
 
 Each property is a :class:`Property`: a hypothesis strategy and a check of one input that either returns
 what happened (``"refused"``, ``"stored"``, a status code ...) or raises. ``tests/test_fuzz.py`` runs a few

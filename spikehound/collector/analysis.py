@@ -84,8 +84,8 @@ def parse_selection(text: str, since_ns: int, until_ns: int) -> Selection:
 class _GcPause:
     """Pause Python's cyclic garbage collector while any analysis runs.
 
-    A scan allocates a wrapper per decoded span; with the collector's many long-lived objects, the
-    collections that triggered took half of a million-span comparison's time. Reference counting
+    A scan allocates a wrapper per decoded span, and each collection those allocations trigger walks the
+    collector's many long-lived objects too: on a large comparison they cost as much as the scan. Reference counting
     still frees everything at once; only reference cycles wait until the last analysis ends.
     """
 
