@@ -186,7 +186,7 @@ class Writer:
     def write(self, batch: WriteBatch, now_ns: int | None = None) -> None:
         """Commit the batch in one transaction, or raise and commit nothing."""
         now_ns = now_ns or time.time_ns()
-        now_s = now_ns // 1_000_000_000
+        now_s = now_ns // NS
         pending = _Caches()
         with self.engine.begin() as conn:
             block_ids = self._write_spans(conn, batch, now_s, pending) if batch.spans else []
@@ -223,7 +223,7 @@ class Writer:
         """
         if not stacks:
             return
-        now_s = (now_ns or time.time_ns()) // 1_000_000_000
+        now_s = (now_ns or time.time_ns()) // NS
         texts = {s.frames: frames_json(s.frames) for s in stacks}
         digests = {frames: stack_digest(text) for frames, text in texts.items()}
         with self.engine.begin() as conn:
