@@ -29,8 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from spikehound.detectors.attribution import NormalProfile, attribute, breakdown
-from spikehound.detectors.attribution import TraceBreakdown as Breakdown
+from spikehound.detectors.attribution import Breakdown, NormalProfile, attribute, breakdown
 from spikehound.detectors.critical_path import TraceIndex
 from spikehound.detectors.incidents import Group, Incident, IncidentBook, IncidentEvent, stream_rank
 from spikehound.detectors.resource import ResourceFlag, ResourceWatch
