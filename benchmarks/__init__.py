@@ -1,1 +1,2 @@
-"""Benchmarks: measurements of spikehound against its quality bars (design brief section 7), not tests."""
+"""Benchmarks: measurements of spikehound against the figures it must hold (throughput, overhead, detection
+quality, latency, robustness), each printed beside a reference measured in the same run; not tests."""

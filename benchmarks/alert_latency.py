@@ -7,7 +7,7 @@ What is measured
 A real ``spikehound collector`` child process (SQLite in a temporary
 directory) with one webhook receiver: an aiohttp server in this process that
 notes the wall-clock time each POST arrives. Traffic is the scenario suite's
-``slow_db`` fault (spikehound/scenarios/traffic.py; gateway -> preprocess -> model
+``slow_db`` fault (harness/scenarios/traffic.py; gateway -> preprocess -> model
 server, 20 requests/s, a slow feature query from the onset on), sent as
 OTLP/HTTP protobuf, one request per second of traffic.
 
@@ -65,9 +65,9 @@ from pathlib import Path
 import requests
 
 from harness.ports import free_port
+from harness.scenarios.traffic import Batch, Scenario
 from harness.webhook_receiver import WebhookReceiver
 from spikehound.otlp import encode_points, encode_spans
-from spikehound.scenarios.traffic import Batch, Scenario
 
 NS = 1_000_000_000
 WINDOW_S = 10

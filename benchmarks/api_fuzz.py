@@ -1,4 +1,4 @@
-"""schemathesis over every operation of a live collector's OpenAPI document (issue 16).
+"""schemathesis over every operation of a live collector's OpenAPI document.
 
 Run from the repository root: ``python -m benchmarks.api_fuzz`` (``--max-examples N`` per operation,
 ``--seed N`` to repeat a run). It starts a real collector (a child process on SQLite in a temporary

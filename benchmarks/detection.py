@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from benchmarks import mesh_detection
 from harness import fault_patterns
 from harness.detection import run, scenarios, score
+from harness.scenarios.traffic import ENTRY
 from spikehound.detectors.settings import DetectionSettings
-from spikehound.scenarios.traffic import ENTRY
 
 
 def main(argv: Sequence[str] | None = None) -> int:

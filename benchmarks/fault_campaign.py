@@ -1,9 +1,9 @@
-"""Storage-fault campaign (issue 20): nothing acknowledged is lost, spikes and alerts as without faults.
+"""Storage-fault campaign: nothing acknowledged is lost, spikes and alerts as without faults.
 
 Run from the repository root (slow: each run is the dataset's length in real time, about 6 minutes, plus
 settling; the default campaign about 35 minutes, or about 10 with ``--parallel``)::
 
-    python -m benchmarks.fault_campaign                      # every fault kind, the issue's counts
+    python -m benchmarks.fault_campaign                      # every fault kind, the default counts
     python -m benchmarks.fault_campaign --only sigkill --kills 20
     python -m benchmarks.fault_campaign --kills 2 --pg-restarts 2 --outages 1 --outage-seconds 10 \\
         --disk-full 1 --dataset-faults slow_db --warmup 130 --fault-seconds 20 --gap 30 --parallel  # smoke
@@ -473,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--disk-rlimit", action="store_true",
                         help="disk full by RLIMIT_FSIZE on the collector even where a tmpfs can be mounted")
     parser.add_argument("--dataset-faults", default="slow_db,queue_wait,downstream_slow",
-                        help="latency faults of the dataset, in order (spikehound.scenarios.traffic.FAULTS)")
+                        help="latency faults of the dataset, in order (harness.scenarios.traffic.FAULTS)")
     parser.add_argument("--warmup", type=float, default=130.0, help="normal traffic before the first fault (s)")
     parser.add_argument("--fault-seconds", type=float, default=30.0, help="length of each latency fault (s)")
     parser.add_argument("--gap", type=float, default=40.0, help="normal traffic after each latency fault (s)")

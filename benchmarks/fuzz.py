@@ -1,4 +1,4 @@
-"""The big fuzz run of issue 16: the properties of harness/fuzz_properties.py over more than 100,000 generated inputs.
+"""The big fuzz run: the properties of harness/fuzz_properties.py over more than 100,000 generated inputs.
 
 Run from the repository root: ``python -m benchmarks.fuzz`` (``--scale 0.1`` for a tenth of the inputs,
 ``--seed N`` to repeat a run, ``--only WORD`` for the properties whose name has it). The properties are

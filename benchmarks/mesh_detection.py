@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 
 from harness.mesh_detection import MeshRun, MeshScore, run, score, timelines
+from harness.scenarios.mesh_traffic import FAULT_KINDS
 from spikehound.detectors.settings import DetectionSettings
-from spikehound.scenarios.mesh_traffic import FAULT_KINDS
 
 
 def report(s: MeshScore, runs: Sequence[MeshRun], seconds: float) -> None:

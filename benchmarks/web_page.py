@@ -5,7 +5,7 @@ Run from the repository root: ``python -m benchmarks.web_page`` (``make bench``)
 Setup
 -----
 A ``spikehound collector`` child process on SQLite in a temporary directory
-receives the ``gpu_drop`` scenario of ``spikehound/scenarios/traffic.py`` (five minutes, the
+receives the ``gpu_drop`` scenario of ``harness/scenarios/traffic.py`` (five minutes, the
 GPU of gpu-2 slowing down at 212 s) as OTLP/HTTP requests, plus one extra request
 in the spike's first window: a 2,000-span trace (an LLM-style request whose
 forward pass is a thousand decode steps with a sampling span each) that is the
@@ -52,9 +52,10 @@ from typing import Any
 from harness.chromium import CHROMIUM, CHROMIUM_ARGS
 from harness.daemons import CollectorProcess
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.long_trace import long_trace
+from harness.scenarios.traffic import Scenario
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.long_trace import long_trace
-from spikehound.scenarios.traffic import MS, NS, Scenario
+from spikehound.units import MS, NS
 
 SCENARIO = {"name": "gpu_drop", "strength": "large", "seed": 3, "minutes": 5, "onset_s": 212.0, "fault_s": 60.0}
 INJECT_AT_S = 216  # inside the spike's first window, [210 s, 220 s)

@@ -22,7 +22,8 @@ from schemathesis.specs.openapi.checks import (
 from harness.api_client import ApiClient, client_of
 from harness.daemons import CollectorProcess, free_port
 from harness.scenario_io import scenario_requests, send
-from spikehound.scenarios.traffic import Scenario
+from harness.scenarios.traffic import Scenario
+from spikehound.units import NS
 
 LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) |Traceback")
 
@@ -75,7 +76,7 @@ def loaded_collector(workdir: Path) -> CollectorProcess:
 
 # The scenario loaded_collector sends: its range, and where the slow query starts, in unix seconds.
 SCENARIO = Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
-START_S, ONSET_S, END_S = (t // 1_000_000_000 for t in (SCENARIO.start_ns, SCENARIO.onset_ns, SCENARIO.end_ns))
+START_S, ONSET_S, END_S = (t // NS for t in (SCENARIO.start_ns, SCENARIO.onset_ns, SCENARIO.end_ns))
 
 
 def known_cases(schema: BaseSchema, api: str) -> list[Case]:

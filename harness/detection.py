@@ -8,7 +8,7 @@ Two families of traffic. This module's own is **dense inference traffic** (below
 **sparse, lumpy microservice traffic** of the shape real benchmark systems have, is
 :mod:`harness.mesh_detection`, run after it.
 
-Every fault of :mod:`spikehound.scenarios.traffic` runs at a large and a subtle strength, and every control
+Every fault of :mod:`harness.scenarios.traffic` runs at a large and a subtle strength, and every control
 once, per seed, through the same :class:`spikehound.detectors.engine.DetectionEngine` the collector runs, in
 event time. Scored:
 
@@ -34,12 +34,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from harness.scenarios.traffic import CONTROLS, FAULTS, Scenario, Truth
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Cause, LatencyWindow, Spike
-from spikehound.scenarios.traffic import CONTROLS, FAULTS, Scenario, Truth
-
-NS = 1_000_000_000
+from spikehound.units import NS
 
 
 @dataclass(slots=True)

@@ -30,13 +30,13 @@ from typing import Any
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from harness.scenarios.traffic import Scenario
 from harness.webhook_receiver import WebhookReceiver
 from spikehound.model import Span
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.traffic import Scenario
 from spikehound.timefmt import parse_time
+from spikehound.units import NS
 
-NS = 1_000_000_000
 EPOCH_NS = 1_767_225_600 * NS  # 2026-01-01T00:00:00Z: where a dataset built only to be described starts
 GRID_NS = 60 * NS  # runs start on a whole minute: the windows (10 s) cut every run's traffic alike
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -115,7 +115,6 @@ class PacedSender(threading.Thread):
         self.retries = 0
         self.max_lag_s = 0.0
         self.error: BaseException | None = None
-        self.last_second = -1
 
     def run(self) -> None:
         try:
@@ -129,7 +128,6 @@ class PacedSender(threading.Thread):
                     else:
                         self.max_lag_s = max(self.max_lag_s, -wait)
                     self._post(session, body, keys)
-                    self.last_second = second
         except BaseException as exc:  # reported by the campaign
             self.error = exc
 

@@ -1,4 +1,4 @@
-"""Runs and scores the fault-pattern families (:mod:`spikehound.scenarios.fault_patterns`).
+"""Runs and scores the fault-pattern families (:mod:`harness.scenarios.fault_patterns`).
 
 Each fault counts on its own, a return of the same fault included. Scored per family:
 
@@ -22,13 +22,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from harness.scenarios.fault_patterns import FAMILIES
+from harness.scenarios.mesh_traffic import MeshTimeline
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Spike
-from spikehound.scenarios.fault_patterns import FAMILIES
-from spikehound.scenarios.mesh_traffic import MeshTimeline
+from spikehound.units import NS
 
-NS = 1_000_000_000
 WITHIN_S = 120.0
 BUSY_CALLS_PER_MIN = 15.0
 
@@ -102,7 +102,7 @@ def _top(spike: Spike) -> str | None:
 
 
 def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternScore:
-    from spikehound.scenarios.mesh_traffic import reach
+    from harness.scenarios.mesh_traffic import reach
     shares = reach()
     out = PatternScore()
     for r in results:

@@ -1,4 +1,4 @@
-"""The fuzzed properties (issue 16): generated hostile input never crashes, stalls or 5xx's spikehound.
+"""The fuzzed properties: generated hostile input never crashes, stalls or 5xx's spikehound.
 
 Each property is a :class:`Property`: a hypothesis strategy and a check of one input that either returns
 what happened (``"refused"``, ``"stored"``, a status code ...) or raises. ``tests/test_fuzz.py`` runs a few
@@ -51,6 +51,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from harness.api_client import ApiClient, get_json
 from harness.daemons import CollectorThread
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Scenario
 from spikehound import cli
 from spikehound.collector.analysis import parse_selection
 from spikehound.collector.rest.common import ApiError, whole_number
@@ -68,8 +69,8 @@ from spikehound.otlp import (
     parse_metrics_request,
     parse_trace_request,
 )
-from spikehound.scenarios.traffic import Scenario
 from spikehound.timefmt import MAX_NS, MIN_NS, parse_time
+from spikehound.units import NS
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +136,7 @@ TEXT = st.one_of(st.text(max_size=12), st.just(""),
 INT64 = st.integers(-(2**63), 2**63 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
 # Times as senders get them wrong: zero, now, the edges of what storage holds, anything a fixed64 holds.
-NOW_NS = 1_767_225_600 * 10**9
+NOW_NS = 1_767_225_600 * NS
 TIMES = mostly(st.integers(NOW_NS - 10**12, NOW_NS + 10**12), st.one_of(
     st.just(0), UINT64, st.sampled_from([1, MAX_TIME_NS - 1, MAX_TIME_NS, MAX_TIME_NS + 1, 2**64 - 1])))
 DOUBLES = st.floats(allow_nan=True, allow_infinity=True)

@@ -1,4 +1,4 @@
-"""The scenario suite's second family: sparse, lumpy microservice traffic (:mod:`spikehound.scenarios.mesh_traffic`).
+"""The scenario suite's second family: sparse, lumpy microservice traffic (:mod:`harness.scenarios.mesh_traffic`).
 
 ``python -m benchmarks.mesh_detection [--seeds N] [--hours H]`` prints the table (also part of
 ``python -m benchmarks.detection``, so of ``make bench``); ``tests/test_detection_suite.py`` runs two
@@ -25,12 +25,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from harness.scenarios.mesh_traffic import MeshFault, MeshTimeline
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import Spike
-from spikehound.scenarios.mesh_traffic import MeshFault, MeshTimeline
+from spikehound.units import NS
 
-NS = 1_000_000_000
 WITHIN_S = 120.0
 
 

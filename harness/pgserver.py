@@ -131,13 +131,6 @@ class PostgresServer:
         return self._require_workdir() / "postgres.log"
 
     @property
-    def socket_dir(self) -> Path:
-        """Directory of the server's unix socket."""
-        if self._extra_socket_dir is not None:
-            return self._extra_socket_dir
-        return self._require_workdir() / "sock"
-
-    @property
     def url(self) -> str:
         """SQLAlchemy URL of the test database, ``postgresql+psycopg://USER@127.0.0.1:PORT/DBNAME``."""
         if self.port is None or not self._db_created:

@@ -10,8 +10,8 @@ import orjson
 import requests
 from google.protobuf import json_format
 
+from harness.scenarios.traffic import Scenario
 from spikehound.otlp import encode_points, encode_spans
-from spikehound.scenarios.traffic import Scenario
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 

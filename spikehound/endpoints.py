@@ -57,7 +57,7 @@ class CollectorSource:
 
     @property
     def single(self) -> bool:
-        """One fixed endpoint: the agent forwards as it always did, without routing."""
+        """One fixed endpoint: the agent forwards everything to it, without routing."""
         return self.kind == "static" and len(self.endpoints) == 1
 
 

@@ -21,8 +21,7 @@ from typing import Any
 
 from spikehound.model import AffectedStream, Cause, CauseKind, Span, Spike
 from spikehound.timefmt import parse_time, rfc3339
-
-NS_PER_MS = 1e6
+from spikehound.units import MS
 
 
 def cause_from_json(doc: dict[str, Any]) -> Cause:
@@ -58,7 +57,7 @@ def spike_from_json(doc: dict[str, Any]) -> Spike:
 
 def ns_of_ms(ms: float) -> int:
     """Nanoseconds from the API's milliseconds (written as ns / 10**6, so rounding recovers them)."""
-    return round(ms * NS_PER_MS)
+    return round(ms * MS)
 
 
 # --- written -----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from opentelemetry.proto.profiles.v1development import profiles_pb2
 
 from spikehound.model import DEFAULT_PERIOD_NS, Frame, ProfileStack
 from spikehound.otlp import MAX_ERRORS_KEPT, MAX_TIME_NS, Limits, attributes, parse_body
+from spikehound.units import NS
 
 __all__ = ["DEFAULT_PERIOD_NS", "MAX_COUNT", "MAX_FRAMES", "MAX_FRAME_CHARS_PER_REQUEST", "MAX_STACKS_PER_REQUEST",
            "MIN_TIME_NS", "DecodedProfiles", "cut_frames", "decode_profiles", "encode_profiles",
@@ -43,7 +44,7 @@ MAX_FRAME_CHARS_PER_REQUEST = 8 << 20
 FRAME_OVERHEAD = 16  # a frame's JSON besides its names: brackets, quotes, the line number
 MAX_STACK_SAMPLES = 2**31 - 1  # one stack's samples in one profile: a 32-bit integer column on PostgreSQL
 MAX_COUNT = 2**63 - 1  # counts saturate here: the largest an OTLP int64 (rejected_profiles) holds
-MIN_TIME_NS = 946_684_800 * 10**9  # 2000-01-01: a profile dated before is from a clock that was never set
+MIN_TIME_NS = 946_684_800 * NS  # 2000-01-01: a profile dated before is from a clock that was never set
 SCOPE_NAME = "spikehound.agent.profiler"
 _KINDS = ("cpu", "wall")
 

@@ -18,10 +18,10 @@ import pytest
 from harness.api_client import client_of, get_json, list_spikes
 from harness.daemons import CollectorProcess, CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Scenario
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.model import Cause, CauseKind, Spike
-from spikehound.scenarios.traffic import Scenario
 from spikehound.storage.engine import make_engine
 from spikehound.storage.migrate import upgrade
 from spikehound.storage.writer import WriteBatch, Writer

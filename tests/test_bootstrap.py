@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spikehound.detectors.bootstrap import Sample, delta
+from spikehound.detectors.bootstrap import OrderStatistics, delta
 
 
 def naive_replicates(values: np.ndarray, q: float, rng: np.random.Generator, count: int) -> np.ndarray:
@@ -20,7 +20,7 @@ def naive_replicates(values: np.ndarray, q: float, rng: np.random.Generator, cou
 def test_beta_draws_give_the_textbook_bootstrap_distribution(n, q):
     rng = np.random.default_rng(3)
     values = rng.lognormal(2.0, 0.6, size=n)
-    fast = Sample.of(values).replicates(q, np.random.default_rng(1), 20_000)
+    fast = OrderStatistics.of(values).replicates(q, np.random.default_rng(1), 20_000)
     slow = naive_replicates(values, q, np.random.default_rng(2), 4000)
     # Both are draws from one discrete distribution over the sample's order statistics.
     for p in (0.025, 0.25, 0.5, 0.75, 0.975):
@@ -29,16 +29,16 @@ def test_beta_draws_give_the_textbook_bootstrap_distribution(n, q):
 
 
 def test_quantiles_are_nearest_rank_values_that_happened():
-    s = Sample.of([5, 1, 4, 2, 3])
+    s = OrderStatistics.of([5, 1, 4, 2, 3])
     assert [s.quantile(q) for q in (0.0, 0.2, 0.21, 0.5, 0.99, 1.0)] == [1, 1, 2, 3, 5, 5]
-    assert Sample.of([]).quantile(0.5) is None
+    assert OrderStatistics.of([]).quantile(0.5) is None
 
 
 def test_a_thinned_large_sample_keeps_its_quantiles_and_intervals():
     rng = np.random.default_rng(11)
     values = rng.lognormal(3.0, 0.8, size=400_000)
-    thin = Sample.of(values)
-    exact = Sample.of(values, max_points=len(values))
+    thin = OrderStatistics.of(values)
+    exact = OrderStatistics.of(values, max_points=len(values))
     assert not thin.exact and exact.exact and len(thin.values) <= 3000
     for q in (0.5, 0.95, 0.99, 0.999):
         assert thin.quantile(q) == pytest.approx(exact.quantile(q), rel=2e-3)
@@ -49,21 +49,21 @@ def test_a_thinned_large_sample_keeps_its_quantiles_and_intervals():
 
 def test_json_round_trip_and_bad_input():
     rng = np.random.default_rng(0)
-    for s in (Sample.of(rng.random(10)), Sample.of(rng.random(10_000))):
-        back = Sample.from_json(s.to_json())
+    for s in (OrderStatistics.of(rng.random(10)), OrderStatistics.of(rng.random(10_000))):
+        back = OrderStatistics.from_json(s.to_json())
         assert back.n == s.n and back.quantile(0.99) == pytest.approx(s.quantile(0.99), abs=1)
     for bad, needle in (({"values": [1]}, "needs n"), ({"n": 3, "values": [1, 2]}, "3 has 2 values"),
                         ({"n": 2, "values": [2, 1]}, "sorted"),
                         ({"n": 5, "values": [1, 2], "ranks": [1, 4]}, "from 1 to n")):
         with pytest.raises(ValueError, match=needle):
-            Sample.from_json(bad)
+            OrderStatistics.from_json(bad)
 
 
 def test_delta_interval_covers_a_real_shift_and_zero_for_none():
     rng = np.random.default_rng(4)
-    base = Sample.of(rng.lognormal(2.0, 0.3, 2000))
-    same = Sample.of(rng.lognormal(2.0, 0.3, 2000))
-    slower = Sample.of(rng.lognormal(2.0, 0.3, 2000) * 1.3)
+    base = OrderStatistics.of(rng.lognormal(2.0, 0.3, 2000))
+    same = OrderStatistics.of(rng.lognormal(2.0, 0.3, 2000))
+    slower = OrderStatistics.of(rng.lognormal(2.0, 0.3, 2000) * 1.3)
     d = delta(base, same, 0.99, np.random.default_rng(1))
     assert d.relative_low < 0 < d.relative_high
     d = delta(base, slower, 0.99, np.random.default_rng(1))

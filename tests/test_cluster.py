@@ -21,11 +21,11 @@ from sqlalchemy import text
 from harness.api_client import list_spikes
 from harness.daemons import CollectorProcess, CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Scenario
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.config import ConfigError, load
 from spikehound.model import MetricKind, MetricPoint
-from spikehound.scenarios.traffic import Scenario
 from spikehound.storage import cluster
 from spikehound.storage.engine import make_engine
 from spikehound.storage.migrate import current_revision, head_revision, upgrade

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spikehound.detectors.bootstrap import Sample
+from spikehound.detectors.bootstrap import OrderStatistics
 from spikehound.detectors.compare import CompareOptions, compare, comparison_report
 from spikehound.detectors.path_time import Stage
 from spikehound.detectors.profile import OperationProfile, Profile
@@ -18,10 +18,11 @@ def side(rng: np.random.Generator, n: int, slow_share: float = 0.0, extra_ms: fl
     """n requests of preprocessing + forward (log-normal, with a rare heavy tail); a share gets extra_ms more."""
     pre = rng.lognormal(np.log(2.0), 0.3, n) + np.where(rng.random(n) < slow_share, extra_ms, 0.0)
     fwd = rng.lognormal(np.log(6.0), 0.25, n) * np.where(rng.random(n) < 0.01, rng.pareto(1.5, n) + 1, 1.0)
-    stages = {PRE: Sample.of(np.rint(pre * MS)), FWD: Sample.of(np.rint(fwd * MS))}  # whole ns, as spans have
+    # whole ns, as spans have
+    stages = {PRE: OrderStatistics.of(np.rint(pre * MS)), FWD: OrderStatistics.of(np.rint(fwd * MS))}
     if new_stage is not None:
-        stages[new_stage] = Sample.of(np.full(n, 4 * MS))
-    latency = Sample.of(np.rint((pre + fwd + (4.0 if new_stage else 0.0)) * MS))
+        stages[new_stage] = OrderStatistics.of(np.full(n, 4 * MS))
+    latency = OrderStatistics.of(np.rint((pre + fwd + (4.0 if new_stage else 0.0)) * MS))
     return Profile({("gw", "POST /predict"): OperationProfile("gw", "POST /predict", latency, stages, n)})
 
 

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from harness.daemons import collector_config
+from harness.scenarios.traffic import Scenario
 from spikehound.collector.alerts.routing import Router
 from spikehound.collector.ingest_queue import IngestQueue
 from spikehound.collector.pipeline import IngestPipeline
@@ -26,7 +27,6 @@ from spikehound.detectors.resource import ResourceWatch
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.model import MetricKind, MetricPoint, Span, Spike
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.traffic import Scenario
 from spikehound.storage import schema
 from spikehound.storage.reader import Reader
 from spikehound.storage.retention import Retention

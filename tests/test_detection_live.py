@@ -1,6 +1,6 @@
 """Detection inside a running collector: live ingest against replay, and a restart in the middle of a spike.
 
-Traffic is the scenario generator's (spikehound/scenarios/traffic.py), sent as real OTLP/HTTP requests to a real
+Traffic is the scenario generator's (harness/scenarios/traffic.py), sent as real OTLP/HTTP requests to a real
 collector; the replay reads the same requests from a recorded file through ``spikehound replay``.
 """
 
@@ -21,6 +21,7 @@ import pytest
 from harness.api_client import list_spikes
 from harness.daemons import CollectorProcess, CollectorThread, collector_config, detection_settled
 from harness.scenario_io import scenario_requests, send, write_json_lines, write_protobuf
+from harness.scenarios.traffic import Scenario
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.collector.ingest_queue import IngestQueue
@@ -29,7 +30,6 @@ from spikehound.collector.retention import RetentionRunner
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.traffic import Scenario
 from spikehound.storage import checkpoints
 from spikehound.storage.engine import make_engine
 from spikehound.storage.migrate import upgrade

@@ -1,7 +1,7 @@
 """A fault that comes back is a new spike, and a spike ends about when its fault does.
 
 The pieces (the evidence toward normal that ends a spike, what is kept from learning) are tested on their own;
-then sparse microservice traffic (spikehound/scenarios/mesh_traffic.py: ~45 user requests a minute, the target
+then sparse microservice traffic (harness/scenarios/mesh_traffic.py: ~45 user requests a minute, the target
 service sees about four calls a minute) runs through the engine, and once over OTLP through a running collector
 that pages a webhook, in event time, so minutes of traffic take seconds.
 """
@@ -16,6 +16,7 @@ import pytest
 
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.mesh_traffic import MeshFault, MeshTimeline, reach
 from harness.waiting import eventually
 from spikehound.collector.alerts.routing import Router
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
@@ -24,7 +25,6 @@ from spikehound.detectors.sequential import RecoveryEvidence
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.detectors.stream_judge import StreamJudge
 from spikehound.model import Spike
-from spikehound.scenarios.mesh_traffic import MeshFault, MeshTimeline, reach
 from tests.support.alert_receivers import HookReceiver
 from tests.support.alert_spikes import ended, spike
 

@@ -1,7 +1,7 @@
 """Sparse microservice traffic through a running collector: a delayed edge is one spike naming the hop, and
 calm, lumpy traffic with lone stalls is no spike at all.
 
-The traffic is the mesh generator's (spikehound/scenarios/mesh_traffic.py): about 45 user requests a minute through one
+The traffic is the mesh generator's (harness/scenarios/mesh_traffic.py): about 45 user requests a minute through one
 gateway with a generic entry name and ~40 services, many of them called a few times a minute, sent as real
 OTLP/HTTP requests.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from harness.daemons import CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
-from spikehound.scenarios.mesh_traffic import MeshFault, MeshTimeline, reach
+from harness.scenarios.mesh_traffic import MeshFault, MeshTimeline, reach
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 """The scenario suite holds the detectors to the product's bars (benchmarks/detection.py prints the table).
 
 Six faults at two strengths (a large one, and a subtle one that lifts p99 by about 30 %) and six controls,
-on realistic multi-service inference traffic from spikehound/scenarios/traffic.py; and two timelines of sparse, lumpy
-microservice traffic from spikehound/scenarios/mesh_traffic.py (40 services behind one gateway, a few calls a minute
+on realistic multi-service inference traffic from harness/scenarios/traffic.py; and two timelines of sparse, lumpy
+microservice traffic from harness/scenarios/mesh_traffic.py (40 services behind one gateway, a few calls a minute
 to most of them, lone stalls, a tenfold load drop, 13 faults), through the same engine the collector runs.
 Accuracy is asserted here; speed is only measured (make bench).
 """

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from river import base
 
+from harness.scenarios.traffic import Scenario
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.p99_spike import P99SpikeDetector
 from spikehound.detectors.resource import ResourceDetector
@@ -17,7 +18,6 @@ from spikehound.detectors.sequential import TailSurprise
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.detectors.streams import StreamKey
 from spikehound.model import Span, SpanKind, StatusCode
-from spikehound.scenarios.traffic import Scenario
 
 NS = 1_000_000_000
 MS = 1_000_000

@@ -26,10 +26,10 @@ import requests
 
 from harness.ports import free_port
 from harness.scenario_io import PROTOBUF
+from harness.scenarios.traffic import Scenario
 from harness.waiting import eventually
 from spikehound import __version__
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.traffic import Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "build" / "test-dist"

@@ -1,4 +1,4 @@
-"""Property and fuzz tests (issue 16): generated hostile input never crashes, stalls or 5xx's spikehound.
+"""Property and fuzz tests: generated hostile input never crashes, stalls or 5xx's spikehound.
 
 Each property is a :class:`Property`: a hypothesis strategy and a check of one input that either returns
 what happened (``"refused"``, ``"stored"``, a status code ...) or raises. The checks run what the

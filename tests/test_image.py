@@ -23,8 +23,8 @@ import requests
 from harness.api_client import list_spikes
 from harness.ports import free_port
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Scenario
 from harness.waiting import eventually
-from spikehound.scenarios.traffic import Scenario
 
 # A first build (debootstrap, the dependencies' wheels) takes about 4 minutes on a busy 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -25,10 +25,10 @@ from sqlalchemy import select
 
 from harness.api_client import get_json, list_spikes
 from harness.daemons import AgentProcess, CollectorProcess, CollectorThread, collector_config
+from harness.scenarios.traffic import Scenario
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
 from spikehound.otlp import encode_points, encode_spans, spans_of_block
-from spikehound.scenarios.traffic import Scenario
 from spikehound.storage import schema
 from spikehound.storage.engine import make_engine
 from tests.support.alert_receivers import HookReceiver

@@ -1,4 +1,4 @@
-"""Storage faults under load, one episode of each kind (issue 20): PostgreSQL restarted (fast and immediate
+"""Storage faults under load, one episode of each kind: PostgreSQL restarted (fast and immediate
 shutdown), PostgreSQL away for a few seconds, the disk under SQLite full, the collector SIGKILLed, and a read
 while the database is away.
 

@@ -23,13 +23,13 @@ import requests
 from harness.api_client import ApiClient, get_json, request, wait_json
 from harness.daemons import CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.long_trace import long_trace
 from spikehound.collector.web import session
 from spikehound.collector.web.routes import STATIC
 from spikehound.collector.web.waterfall import layout
 from spikehound.model import Span, SpanKind, StatusCode
 from spikehound.otlp import encode_spans
-from spikehound.scenarios.long_trace import long_trace
-from spikehound.scenarios.traffic import NS
+from spikehound.units import NS
 from tests.support.query_plans import FULL_SCAN, plan_of
 from tests.support.storage_data import T0
 from tests.support.web_scenarios import (

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spikehound.detectors.batching import BatchingReport, analyze_batching, batch_requests
-from spikehound.detectors.breakdown import Breakdown, pipeline_breakdown
+from spikehound.detectors.breakdown import PipelineBreakdown, pipeline_breakdown
 from spikehound.detectors.compare import CompareOptions, compare, comparison_report
 from spikehound.detectors.profile import Profile, build_profile, stage_times_by_operation
 from spikehound.span_scan import SpanScan, scan_block
@@ -84,8 +84,8 @@ def parse_selection(text: str, since_ns: int, until_ns: int) -> Selection:
 class _GcPause:
     """Pause Python's cyclic garbage collector while any analysis runs.
 
-    A scan allocates a wrapper per decoded span; with the collector's many long-lived objects, the
-    collections that triggered took half of a million-span comparison's time. Reference counting
+    A scan allocates a wrapper per decoded span, and each collection those allocations trigger walks the
+    collector's many long-lived objects too: on a large comparison they cost as much as the scan. Reference counting
     still frees everything at once; only reference cycles wait until the last analysis ends.
     """
 
@@ -172,7 +172,7 @@ def batching(reader: Reader, service: str, selection: Selection, *, attribute: s
 
 
 def pipeline(reader: Reader, service: str, operation: str | None, selection: Selection, *,
-             max_traces: int = DEFAULT_MAX_TRACES) -> list[Breakdown]:
+             max_traces: int = DEFAULT_MAX_TRACES) -> list[PipelineBreakdown]:
     """Where the time of ``service``'s requests goes, median against p99, per operation (busiest first)."""
     with gc_paused():
         scan = selection.scan(max_traces=max_traces)

@@ -47,6 +47,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from spikehound.model import Span, SpanKind, StatusCode
+from spikehound.units import MS, NS
 
 log = logging.getLogger("collector.span_metrics")
 
@@ -112,8 +113,8 @@ class SpanMetrics(Collector):
 
     def __init__(self, max_series: int = 5_000) -> None:
         self._lock = threading.Lock()
-        self._calls = _Histograms([round(b * 1_000_000) for b in DURATION_BUCKETS_MS], max_series)
-        self._entry = _Histograms([round(b * 1_000_000_000) for b in INFERENCE_BUCKETS_S], max_series)
+        self._calls = _Histograms([round(b * MS) for b in DURATION_BUCKETS_MS], max_series)
+        self._entry = _Histograms([round(b * NS) for b in INFERENCE_BUCKETS_S], max_series)
         self.errors = 0
 
     def add(self, batch: Any) -> None:

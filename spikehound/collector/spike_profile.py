@@ -49,7 +49,8 @@ from spikehound.detectors.stack_diff import (
 )
 from spikehound.model import CauseKind, Spike
 from spikehound.storage.reader import MAX_PROFILE_ROWS, Reader
-from spikehound.timefmt import NS, rfc3339
+from spikehound.timefmt import rfc3339
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.collector.spike_profile")
 
@@ -88,10 +89,6 @@ class ProfileGroup:
     @property
     def where(self) -> str:
         return f"{self.service or 'an unnamed service'} on {self.host}"
-
-    def culprit_sentence(self) -> str | None:
-        c = self.diff.culprit
-        return sentence(c, self.service or self.host) if c is not None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 from spikehound.detectors.critical_path import TraceIndex, critical_path_times, hop_callees
 from spikehound.detectors.resource import ResourceFlag
 from spikehound.model import Cause, CauseKind, Span, SpanKind
+from spikehound.units import MS
 
 __all__ = ["Breakdown", "NormalProfile", "attribute", "breakdown"]
 
 # (kind, service, operation, peer service); see the module docstring.
 Key = tuple[str, str, str | None, str | None]
-MS = 1e6
 SPECIFIC_SPAN_SHARE = 0.6  # a span holding this much of its service's growth is the better answer
 MIN_SCORE = 0.05  # components explaining less than 5 % of the added latency are not causes
 UNANSWERED = ""  # the peer of a span component that is a CLIENT span no server answered
@@ -68,7 +68,11 @@ ACCOUNT_SLACK = 1.5  # a resource accounts for a component that grew up to this 
 
 @dataclass(slots=True)
 class Breakdown:
-    """One trace's critical-path time per component (ns), and the host that served each."""
+    """One trace's critical-path time per component (ns), and the host that served each.
+
+    The detector checkpoint pickles a spike's slow breakdowns (``DetectionEngine.snapshot``), so this class's
+    module and name are part of its stored format: move or rename it only with a ``CHECKPOINT_FORMAT`` bump.
+    """
 
     total_ns: int
     components: dict[Key, int]

@@ -33,13 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from spikehound.detectors.bootstrap import DEFAULT_REPLICATES, Sample, interval
+from spikehound.detectors.bootstrap import DEFAULT_REPLICATES, OrderStatistics, interval
 from spikehound.model import Span
+from spikehound.units import MS, NS
 
 __all__ = ["BatchGroup", "BatchRequest", "BatchingReport", "analyze_batching", "batch_requests"]
-
-MS = 1e6
-NS = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +171,7 @@ def analyze_batching(requests: Sequence[BatchRequest], gpu: Mapping[str, Sequenc
         by_batch.setdefault(r.batch, []).append(r)
     groups = []
     for batch, reqs in sorted(by_batch.items(), key=lambda kv: (_size(kv[0]) is None, _size(kv[0]) or 0, kv[0])):
-        sample = Sample.of([r.duration_ns for r in reqs])
+        sample = OrderStatistics.of([r.duration_ns for r in reqs])
         start, end = min(r.start_ns for r in reqs), max(r.end_ns for r in reqs)
         active = (end - start) / NS
         hosts = tuple(sorted({r.host for r in reqs if r.host}))

@@ -12,18 +12,18 @@ hundred, after one sort.
 Quantiles use the nearest-rank method (the k-th smallest value, k = ceil(q n)),
 so every reported latency really happened, as in ``spikehound.detectors.windows``.
 
-A ``Sample`` keeps every sorted value up to ``max_points`` values; a larger one
-keeps the order statistics at a grid of ranks that is dense near the top (every
+An ``OrderStatistics`` of a sample keeps every sorted value up to ``max_points`` values; of a larger
+sample it keeps the order statistics at a grid of ranks that is dense near the top (every
 one of the slowest values, then ranks spaced evenly on a log scale of the
 distance from the top, plus an even grid over the body) and reads the ranks in
 between by linear interpolation. That keeps a saved baseline small while its
 p99 still rests on the order statistics around rank 0.99 n.
 
->>> s = Sample.of(range(1, 101))
+>>> s = OrderStatistics.of(range(1, 101))
 >>> s.n, s.quantile(0.5), s.quantile(0.99), s.quantile(1.0)
 (100, 50.0, 99.0, 100.0)
 >>> rng = np.random.default_rng(7)
->>> d = delta(Sample.of([10.0] * 500), Sample.of([12.0] * 500), 0.99, rng)
+>>> d = delta(OrderStatistics.of([10.0] * 500), OrderStatistics.of([12.0] * 500), 0.99, rng)
 >>> d.point, d.low, d.high, round(d.relative, 2)
 (2.0, 2.0, 2.0, 0.2)
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_REPLICATES", "Delta", "Sample", "delta", "interval"]
+__all__ = ["DEFAULT_REPLICATES", "Delta", "OrderStatistics", "delta", "interval"]
 
 DEFAULT_REPLICATES = 2000
 DEFAULT_MAX_POINTS = 3000
@@ -53,8 +53,8 @@ def _grid(n: int, max_points: int) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Sample:
-    """``n`` values, kept as the order statistics at ``ranks`` (1-based, increasing, 1 and n included).
+class OrderStatistics:
+    """A sample of ``n`` values, kept as its order statistics at ``ranks`` (1-based, increasing, 1 and n included).
 
     When ``ranks`` is every rank the sample is exact; else ranks in between
     are read by linear interpolation.
@@ -65,7 +65,7 @@ class Sample:
     values: np.ndarray  # float64, sorted
 
     @classmethod
-    def of(cls, values: Iterable[float] | np.ndarray, max_points: int = DEFAULT_MAX_POINTS) -> Sample:
+    def of(cls, values: Iterable[float] | np.ndarray, max_points: int = DEFAULT_MAX_POINTS) -> OrderStatistics:
         array = np.sort(np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64))
         n = len(array)
         if n <= max_points:
@@ -104,7 +104,7 @@ class Sample:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Sample:
+    def from_json(cls, data: Mapping[str, Any]) -> OrderStatistics:
         """The inverse of ``to_json``; raises ValueError naming what is wrong with the data."""
         try:
             n = int(data["n"])
@@ -150,7 +150,7 @@ class Delta:
     relative_high: float | None
 
 
-def delta(baseline: Sample, candidate: Sample, q: float, rng: np.random.Generator, *,
+def delta(baseline: OrderStatistics, candidate: OrderStatistics, q: float, rng: np.random.Generator, *,
           confidence: float = 0.95, replicates: int = DEFAULT_REPLICATES) -> Delta:
     """Bootstrap the change of the q-quantile between two independent samples (both non-empty)."""
     b, c = baseline.quantile(q), candidate.quantile(q)

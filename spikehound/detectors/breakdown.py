@@ -11,9 +11,8 @@ rollup by service books each span's self time to its service and every gap to
 
 >>> from spikehound.detectors.path_time import Stage
 >>> resize, forward = Stage("span", "pre", "resize"), Stage("span", "model", "forward")
->>> ms = 1_000_000
->>> normal = [(10 * ms, {resize: 2 * ms, forward: 8 * ms})] * 98
->>> slow = [(50 * ms, {resize: 42 * ms, forward: 8 * ms})] * 2
+>>> normal = [(10 * MS, {resize: 2 * MS, forward: 8 * MS})] * 98
+>>> slow = [(50 * MS, {resize: 42 * MS, forward: 8 * MS})] * 2
 >>> b = pipeline_breakdown("gw", "GET /", normal + slow, min_group=2)
 >>> [(s.stage.name, round(s.median_share, 2), round(s.tail_share, 2)) for s in b.stages]
 [('resize', 0.2, 0.84), ('forward', 0.8, 0.16)]
@@ -29,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from spikehound.detectors.path_time import Stage
+from spikehound.units import MS
 
-__all__ = ["Breakdown", "ServiceShare", "StageShare", "pipeline_breakdown"]
+__all__ = ["PipelineBreakdown", "ServiceShare", "StageShare", "pipeline_breakdown"]
 
-MS = 1e6
 NETWORK = "network"
 
 
@@ -55,7 +54,7 @@ class ServiceShare:
 
 
 @dataclass(slots=True)
-class Breakdown:
+class PipelineBreakdown:
     service: str
     operation: str
     requests: int
@@ -102,7 +101,7 @@ def _totals(group: Sequence[tuple[int, Mapping[Stage, int]]]) -> tuple[dict[Stag
 
 def pipeline_breakdown(service: str, operation: str, requests: Sequence[tuple[int, Mapping[Stage, int]]], *,
                        tail_quantile: float = 0.99, median_band: float = 0.05, min_group: int = 5
-                       ) -> Breakdown | None:
+                       ) -> PipelineBreakdown | None:
     """The breakdown of one operation's requests; None without requests."""
     n = len(requests)
     if n == 0:
@@ -129,5 +128,5 @@ def pipeline_breakdown(service: str, operation: str, requests: Sequence[tuple[in
             row[i] += value
     services = sorted((ServiceShare(name, *values) for name, values in by_service.items()),
                       key=lambda s: (-s.tail_share, s.service))
-    return Breakdown(service, operation, n, len(median), (median[0][0], median[-1][0]), len(tail),
+    return PipelineBreakdown(service, operation, n, len(median), (median[0][0], median[-1][0]), len(tail),
                      (tail[0][0], tail[-1][0]), stages, services)

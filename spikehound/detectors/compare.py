@@ -20,9 +20,9 @@ not judged. The random draws come from ``seed``, so the same data give the
 same answer.
 
 >>> from spikehound.detectors.profile import OperationProfile, Profile
->>> from spikehound.detectors.bootstrap import Sample
+>>> from spikehound.detectors.bootstrap import OrderStatistics
 >>> def side(ms):
-...     return Profile({("gw", "GET /"): OperationProfile("gw", "GET /", Sample.of([m * 1e6 for m in ms]))})
+...     return Profile({("gw", "GET /"): OperationProfile("gw", "GET /", OrderStatistics.of([m * 1e6 for m in ms]))})
 >>> same = compare(side(range(1, 401)), side(range(1, 401)))
 >>> same.exit_code, same.message
 (0, 'no p99 regression beyond 5% in 1 operation')
@@ -43,15 +43,15 @@ from typing import Any
 
 import numpy as np
 
-from spikehound.detectors.bootstrap import DEFAULT_REPLICATES, Delta, Sample, delta
+from spikehound.detectors.bootstrap import DEFAULT_REPLICATES, Delta, OrderStatistics, delta
 from spikehound.detectors.path_time import Stage
 from spikehound.detectors.profile import Profile
+from spikehound.units import MS
 
 __all__ = ["QUANTILES", "CompareOptions", "Comparison", "OperationComparison", "StageComparison", "compare",
            "comparison_report"]
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
-MS = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ class CompareOptions:
     operation: str | None = None  # and only this operation
 
 
-def _quantiles(sample: Sample | None) -> dict[str, float | None]:
+def _quantiles(sample: OrderStatistics | None) -> dict[str, float | None]:
     return {name: (sample.quantile(q) if sample is not None else None) for name, q in QUANTILES}
 
 
@@ -183,7 +183,8 @@ def _compare_operation(key: tuple[str, str], baseline: Profile, candidate: Profi
     return op
 
 
-def _deltas(b: Sample, c: Sample, rng: np.random.Generator, options: CompareOptions) -> dict[str, Delta]:
+def _deltas(b: OrderStatistics, c: OrderStatistics, rng: np.random.Generator,
+            options: CompareOptions) -> dict[str, Delta]:
     return {name: delta(b, c, q, rng, confidence=options.confidence, replicates=options.replicates)
             for name, q in QUANTILES}
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spikehound.detectors.bootstrap import DEFAULT_MAX_POINTS, Sample
+from spikehound.detectors.bootstrap import DEFAULT_MAX_POINTS, OrderStatistics
 from spikehound.detectors.path_time import Stage, entry_stage_times
 from spikehound.model import Span
 
@@ -43,8 +43,8 @@ OperationKey = tuple[str, str]
 class OperationProfile:
     service: str
     operation: str
-    latency: Sample  # every request's duration, ns
-    stages: dict[Stage, Sample] = field(default_factory=dict)  # per stage: its path time in each request, ns
+    latency: OrderStatistics  # every request's duration, ns
+    stages: dict[Stage, OrderStatistics] = field(default_factory=dict)  # per stage: its path time in each request, ns
     path_requests: int = 0  # requests whose critical path the stages come from
 
 
@@ -76,9 +76,9 @@ class Profile:
             for item in data["operations"]:
                 key = (str(item["service"]), str(item["operation"]))
                 stages = {Stage(str(s["kind"]), str(s["service"]), str(s["name"]), s.get("peer_service")):
-                          Sample.from_json(s["time_ns"]) for s in item.get("stages", ())}
-                operations[key] = OperationProfile(key[0], key[1], Sample.from_json(item["latency_ns"]), stages,
-                                                   int(item.get("path_requests", 0)))
+                          OrderStatistics.from_json(s["time_ns"]) for s in item.get("stages", ())}
+                operations[key] = OperationProfile(key[0], key[1], OrderStatistics.from_json(item["latency_ns"]),
+                                                   stages, int(item.get("path_requests", 0)))
             path_traces = int(data.get("path_traces", 0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile operation entry is missing {exc}") from None
@@ -101,7 +101,7 @@ def build_profile(durations: Mapping[OperationKey, Sequence[int]], traces: Itera
                   since_ns: int, until_ns: int, max_points: int = DEFAULT_MAX_POINTS,
                   meta: Mapping[str, Any] | None = None) -> Profile:
     """The profile of one side: ``durations`` of every request per operation, ``traces`` for the stages."""
-    operations = {key: OperationProfile(key[0], key[1], Sample.of(values, max_points))
+    operations = {key: OperationProfile(key[0], key[1], OrderStatistics.of(values, max_points))
                   for key, values in durations.items() if len(values)}
     per_stage: dict[OperationKey, dict[Stage, list[int]]] = {}
     traces = list(traces)
@@ -114,5 +114,5 @@ def build_profile(durations: Mapping[OperationKey, Sequence[int]], traces: Itera
             for stage, ns in times.items():
                 stages.setdefault(stage, []).append(ns)
     for key, stages in per_stage.items():
-        operations[key].stages = {stage: Sample.of(values, max_points) for stage, values in stages.items()}
+        operations[key].stages = {stage: OrderStatistics.of(values, max_points) for stage, values in stages.items()}
     return Profile(operations, len(traces), dict(meta or {}))

@@ -13,13 +13,12 @@ Flags are only *evidence*: attribution joins them to a spike when they sit on
 a host that served the slow part of the slow requests, in the spike's window.
 
 >>> from spikehound.model import CauseKind, MetricKind, MetricPoint
->>> S = 1_000_000_000
->>> watch = ResourceWatch(window_ns=10 * S)
+>>> watch = ResourceWatch(window_ns=10 * NS)
 >>> def gpu(t, value):
 ...     return MetricPoint(host="gpu-2", name="hw.gpu.utilization", attributes={"hw.id": "GPU-7"},
-...                        time_unix_nano=t * S, value=value, kind=MetricKind.GAUGE, unit="1")
+...                        time_unix_nano=t * NS, value=value, kind=MetricKind.GAUGE, unit="1")
 >>> watch.add([gpu(t, 0.9) for t in range(0, 60)] + [gpu(t, 0.3) for t in range(60, 70)])
->>> [(f.host, f.metric, f.baseline, f.observed) for f in watch.close(70 * S)]
+>>> [(f.host, f.metric, f.baseline, f.observed) for f in watch.close(70 * NS)]
 [('gpu-2', 'hw.gpu.utilization', 0.9, 0.3)]
 """
 
@@ -35,10 +34,9 @@ import orjson
 from river import base, stats
 
 from spikehound.model import CauseKind, MetricKind, MetricPoint
+from spikehound.units import NS
 
 __all__ = ["RULES", "ResourceDetector", "ResourceFlag", "ResourceWatch", "Rule"]
-
-NS = 1_000_000_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,9 +49,10 @@ from typing import Any
 import numpy as np
 from river import base
 
+from spikehound.detectors.windows import Sample
+
 __all__ = ["RecoveryEvidence", "SequentialEvidence", "SlowRequest", "TailSurprise"]
 
-Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end ns)
 _LN10 = math.log(10.0)
 _Z90 = 1.2816  # the standard normal's 90th percentile: (ln p90 - ln p50) / _Z90 is a log-scale spread
 _VECTOR_MIN = 32  # from this many requests a window is scored with NumPy

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DetectionSettings"]
+from spikehound.units import MS, NS
 
-MS = 1_000_000
-S = 1_000_000_000
+__all__ = ["DetectionSettings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +25,8 @@ class DetectionSettings:
     enabled: bool = True
 
     # Event-time windows and the streams cut into them (see detectors.windows and detectors.streams).
-    window_ns: int = 10 * S
-    allowed_lateness_ns: int = 5 * S
+    window_ns: int = 10 * NS
+    allowed_lateness_ns: int = 5 * NS
     max_streams: int = 10_000
     hop_streams: bool = True  # judge caller -> callee edges on the callers' CLIENT spans too
     split_generic: bool = True  # split a generic entry operation (/*, HTTP GET) by where its requests go
@@ -51,16 +50,16 @@ class DetectionSettings:
     hot_evidence: float = 1.5  # evidence at which a stream is attributed and grouped
     # How a spike ends (see spikehound.detectors.sequential.RecoveryEvidence) and what it keeps from learning.
     end_evidence: float = 3.0  # evidence toward normal (log10 odds) that ends a spike: 3-4 normal requests
-    quiet_min_ns: int = 120 * S  # a spike whose requests stopped ends after ten of their typical gaps, at least
-    quiet_max_ns: int = 600 * S  # ... this and at most this
-    end_hold_ns: int = 30 * S  # ... once it stayed there 3 request gaps (a window to this): a fault lets calls through
-    quarantine_before_ns: int = 60 * S  # nothing of the minute before a spike's onset is learned as normal
-    recurrence_ns: int = 3600 * S  # a spike at the same place within this of an earlier one's end is its return
+    quiet_min_ns: int = 120 * NS  # a spike whose requests stopped ends after ten of their typical gaps, at least
+    quiet_max_ns: int = 600 * NS  # ... this and at most this
+    end_hold_ns: int = 30 * NS  # ... once it stayed there 3 request gaps (a window to this): a fault lets calls through
+    quarantine_before_ns: int = 60 * NS  # nothing of the minute before a spike's onset is learned as normal
+    recurrence_ns: int = 3600 * NS  # a spike at the same place within this of an earlier one's end is its return
     # Incidents (see spikehound.detectors.incidents); both thresholds grow with log10(streams judged / 10).
     min_evidence: float = 4.0  # sequential evidence of a group that opens a spike
     min_slow_requests: int = 2  # ... over at least this many distinct slow traces
-    min_slow_spread_ns: int = 10 * S  # ... which did not all end within this of each other (one pause)
-    min_spread_ns: int = 2 * S  # the same for a window whose window test fired (at most a fifth of a window)
+    min_slow_spread_ns: int = 10 * NS  # ... which did not all end within this of each other (one pause)
+    min_spread_ns: int = 2 * NS  # the same for a window whose window test fired (at most a fifth of a window)
     # Attribution (see spikehound.detectors.attribution).
     trace_buffer_spans: int = 200_000
     trace_buffer_bytes: int = 128 * 2**20  # ... and their estimated bytes (long names fill it before the count)

@@ -149,29 +149,6 @@ class StackDiff:
 _COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
-def inline_comprehensions(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
-    """``frames`` with each comprehension's frame merged into the function that runs it.
-
-    Up to Python 3.11 a comprehension runs in a frame of its own (``burn_cpu.<locals>.<listcomp>``); it is
-    the function's own code all the same, and 3.12 inlines it (PEP 709). Merged, a function's self share is
-    the same whichever Python the server runs.
-
-    >>> inline_comprehensions((("main", "a.py", 1), ("burn", "a.py", 5), ("burn.<locals>.<listcomp>", "a.py", 6),
-    ...                        ("<listcomp>", "a.py", 6)))
-    (('main', 'a.py', 1), ('burn', 'a.py', 6))
-    """
-    out: list[Frame] = []
-    for frame in frames:
-        name, file, line = frame
-        # A qualified name (3.11's co_qualname) says whose it is; a bare one (3.10) is taken for its caller's.
-        if (out and name.endswith(_COMPREHENSIONS) and out[-1][1] == file
-                and (".<locals>." not in name or name.startswith(out[-1][0] + "."))):
-            out[-1] = (out[-1][0], file, line)  # the line the comprehension was at, in its function
-            continue
-        out.append(frame)
-    return tuple(out)
-
-
 class FrameTable:
     """The functions of one diff's stacks, each (name, file) held once and numbered, and what reading them cost.
 
@@ -192,8 +169,14 @@ class FrameTable:
         self.partial: str | None = None
 
     def function_ids(self, frames: Sequence[Sequence[Any]]) -> list[int] | None:
-        """The numbers of ``frames``' functions, root first, comprehensions merged into the function that runs
-        them (as :func:`inline_comprehensions`); None when the stack would go beyond the table's bounds."""
+        """The numbers of ``frames``' functions, root first; None when the stack would go beyond the table's bounds.
+
+        A comprehension's frame is merged into the function that runs it. Up to Python 3.11 a comprehension
+        runs in a frame of its own (``burn_cpu.<locals>.<listcomp>``; 3.10 names it bare, ``<listcomp>``); it
+        is the function's own code all the same, and 3.12 inlines it (PEP 709). Merged, a function's self
+        share is the same whichever Python the server runs. A qualified name says whose it is; a bare one is
+        taken for its caller's.
+        """
         if self.frames_read + len(frames) > self.max_frames:
             self.partial = f"the diff read {self.frames_read} frames, its limit being {self.max_frames}"
             return None

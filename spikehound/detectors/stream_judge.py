@@ -47,10 +47,11 @@ from spikehound.detectors.settings import DetectionSettings
 from spikehound.detectors.streams import StreamKey
 from spikehound.detectors.windows import Sample
 from spikehound.model import LatencyWindow
+from spikehound.units import NS
 
-RECENT_NS = 600 * 10**9  # a stream judged in the last ten minutes (event time) is one of the hypotheses tested
+RECENT_NS = 600 * NS  # a stream judged in the last ten minutes (event time) is one of the hypotheses tested
 SEQUENTIAL_MAX = 256  # requests of one window the sequential test reads (a busy one is thinned to this)
-STRAGGLER_NS = 300 * 10**9  # how long after a spike ended a request of a trace begun during it may start
+STRAGGLER_NS = 300 * NS  # how long after a spike ended a request of a trace begun during it may start
 EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
 
 __all__ = ["Judgement", "StreamJudge", "tail_band"]

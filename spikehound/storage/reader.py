@@ -32,6 +32,7 @@ from spikehound.model import (
 from spikehound.otlp import spans_of_block, spans_of_trace
 from spikehound.storage import schema, trace_search
 from spikehound.storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQuery
+from spikehound.units import NS
 
 MAX_TRACE_SPANS = 100_000  # a runaway trace must not take the API down with it
 MAX_PROFILE_ROWS = 200_000  # (process, window, stack) rows one profile read may bring back
@@ -40,7 +41,7 @@ _FRAMES_CHUNK = 200  # stacks' frames read at once: 256 frames of JSON each, a m
 _FRAMES_CACHE = -2048  # KiB of SQLite page cache while a diff reads stacks' frames
 # The longest profile window a read looks back for (the agent's are 10 s): it bounds the index range a read
 # scans to the period asked for, instead of every older window of the service or host.
-MAX_PROFILE_WINDOW_NS = 600 * 1_000_000_000
+MAX_PROFILE_WINDOW_NS = 600 * NS
 
 
 @contextmanager
@@ -107,10 +108,6 @@ class Reader:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-
-    def ping(self) -> None:
-        with self.engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
 
     def trace(self, trace_id: bytes) -> list[Span]:
         """Every span of a trace, oldest first; a span stored twice (a retried export) is served once."""
@@ -265,7 +262,7 @@ class Reader:
         """
         b = schema.span_blocks
         query = select(b.c.payload, b.c.start_ns, b.c.end_ns).where(
-            b.c.end_ns >= since_ns, b.c.end_ns < until_ns + max_block_seconds * 1_000_000_000,
+            b.c.end_ns >= since_ns, b.c.end_ns < until_ns + max_block_seconds * NS,
             b.c.start_ns < until_ns)
         seen: set[tuple[int, int, int, int]] = set()
         with self.engine.connect() as conn:

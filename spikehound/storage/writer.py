@@ -32,8 +32,9 @@ from spikehound.model import Frame, LatencyWindow, MetricPoint, ProfileStack, Sp
 from spikehound.otlp import encode_spans
 from spikehound.storage import schema
 from spikehound.storage.cluster import FeedStamp, add_feed_row
+from spikehound.units import NS
 
-HOST_TOUCH_INTERVAL_NS = 1_000_000_000  # hosts.last_seen_at is refreshed at most once a second
+HOST_TOUCH_INTERVAL_NS = NS  # hosts.last_seen_at is refreshed at most once a second
 OPERATION_REFRESH_SECONDS = 3600  # operations.first_seen_at is refreshed at most once an hour
 CACHE_ENTRY_BYTES = 200  # a cache entry's memory besides its strings: key tuple, value, dict slot
 CACHE_MAX_BYTES = {"operations": 32 * 2**20, "series": 16 * 2**20, "host_touched": 4 * 2**20}
@@ -185,7 +186,7 @@ class Writer:
     def write(self, batch: WriteBatch, now_ns: int | None = None) -> None:
         """Commit the batch in one transaction, or raise and commit nothing."""
         now_ns = now_ns or time.time_ns()
-        now_s = now_ns // 1_000_000_000
+        now_s = now_ns // NS
         pending = _Caches()
         with self.engine.begin() as conn:
             block_ids = self._write_spans(conn, batch, now_s, pending) if batch.spans else []
@@ -222,7 +223,7 @@ class Writer:
         """
         if not stacks:
             return
-        now_s = (now_ns or time.time_ns()) // 1_000_000_000
+        now_s = (now_ns or time.time_ns()) // NS
         texts = {s.frames: frames_json(s.frames) for s in stacks}
         digests = {frames: stack_digest(text) for frames, text in texts.items()}
         with self.engine.begin() as conn:

@@ -1,6 +1,6 @@
 """Data and a browser for the web page tests: real spikes from the scenario generator, and Debian's Chromium.
 
-``spike_database()`` sends two scenarios of ``spikehound/scenarios/traffic.py`` as real
+``spike_database()`` sends two scenarios of ``harness/scenarios/traffic.py`` as real
 OTLP/HTTP requests to a real collector, once per test session, and keeps the
 SQLite file; each test module starts its own collector on a copy of it:
 
@@ -25,8 +25,9 @@ from typing import Any
 
 from harness.daemons import CollectorThread, collector_config
 from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Batch, Scenario
 from spikehound.model import Span
-from spikehound.scenarios.traffic import NS, Batch, Scenario
+from spikehound.units import NS
 
 EVIL_SPAN = "<img src=x onerror=alert(1)>"
 EVIL_ATTRIBUTE = "<script>alert(2)</script>"

@@ -42,10 +42,10 @@ from spikehound.config import Config
 from spikehound.model import Spike
 from spikehound.storage.alerts import OutboxEntry, OutboxRow
 from spikehound.storage.reader import Reader
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.collector.alerts")
 
-NS = 1_000_000_000
 EVALUATE_SECONDS = 1.0
 GAUGE_SECONDS = 15.0
 RETENTION_SECONDS = 300.0

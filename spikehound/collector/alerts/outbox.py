@@ -43,10 +43,10 @@ from spikehound.collector.notifiers import Notifier, notifier_for
 from spikehound.collector.storage_health import StorageHealth
 from spikehound.config import AlertsConfig, ReceiverConfig
 from spikehound.storage.alerts import OutboxRow
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.collector.alerts")
 
-NS = 1_000_000_000
 RETRYABLE_STATUS = frozenset({408, 425, 429})
 MAX_RETRY_AFTER_SECONDS = 3600.0
 IDLE_POLL_SECONDS = 5.0

@@ -73,11 +73,11 @@ from spikehound.collector.alerts.silences import Silence
 from spikehound.collector.web.links import spike_page_url, trace_page_path
 from spikehound.config import AlertsConfig, RouteConfig
 from spikehound.model import Spike
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.collector.alerts")
 
 HOUR = 3600.0
-NS = 1_000_000_000
 MAX_SPIKE_IDS = 32  # spikes remembered per alert (a flapping stream makes many)
 
 

@@ -28,7 +28,8 @@ import orjson
 from spikehound.collector.alerts.matchers import SpikeMatcher
 from spikehound.model import CauseKind, Spike
 from spikehound.storage.alerts import SilenceRow
-from spikehound.timefmt import MAX_NS, NS, parse_time, rfc3339
+from spikehound.timefmt import MAX_NS, parse_time, rfc3339
+from spikehound.units import NS
 
 FIELDS = ("service", "operation", "cause_kind", "cause_service", "cause_resource")
 MAX_PATTERN = 1024

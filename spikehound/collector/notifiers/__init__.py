@@ -14,6 +14,8 @@ from spikehound.collector.notifiers.slack import SlackNotifier
 from spikehound.collector.notifiers.webhook import WebhookNotifier
 from spikehound.config import ReceiverConfig
 
+__all__ = ["Notifier", "notifier_for"]
+
 
 class Notifier(Protocol):
     def render(self, note: Notification) -> bytes:

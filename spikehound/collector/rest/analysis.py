@@ -38,7 +38,8 @@ from spikehound.collector.rest.openapi import (
     whole_schema,
 )
 from spikehound.detectors.compare import CompareOptions
-from spikehound.timefmt import MAX_NS, NS
+from spikehound.timefmt import MAX_NS
+from spikehound.units import NS
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|ms|s)?\s*$")
 

@@ -29,7 +29,8 @@ from spikehound.collector.alerts.alerting import Alerting
 from spikehound.collector.spike_profile import DiffGate
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.storage.reader import Reader
-from spikehound.timefmt import MIN_NS, NS, parse_time
+from spikehound.timefmt import MIN_NS, parse_time
+from spikehound.units import NS
 
 T = TypeVar("T")
 DEFAULT_RANGE_NS = 3600 * NS  # a range without since starts an hour before its end

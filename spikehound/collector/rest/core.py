@@ -1,7 +1,8 @@
 """The core of the REST API: traces, services, latency, hosts and metrics, spikes (``/api/v1``), the health
 endpoints and the collector's own ``/metrics``.
 
-Shapes are the contract of the design brief, section 3. Every query runs on the API's thread pool.
+The shapes are a contract with every API client: each route's schema is part of the OpenAPI document the
+collector serves, and the tests hold every answer to it. Every query runs on the API's thread pool.
 """
 
 from __future__ import annotations

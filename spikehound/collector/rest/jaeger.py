@@ -37,6 +37,7 @@ from spikehound.collector.rest.openapi import OpenApiFragment
 from spikehound.model import Span, StatusCode
 from spikehound.storage.trace_search import TraceQuery
 from spikehound.timefmt import MAX_NS, MIN_NS
+from spikehound.units import MS, NS
 
 log = logging.getLogger("spikehound.collector.jaeger_api")
 
@@ -46,11 +47,11 @@ DEFAULT_SEARCH_LOOKBACK_US = 2 * 24 * 3600 * 1_000_000  # Jaeger: two days befor
 DEFAULT_DEPENDENCY_LOOKBACK_MS = 24 * 3600 * 1000
 # Times storage can hold (signed 64-bit nanoseconds), in the API's microseconds and milliseconds.
 _US_RANGE = (-(-MIN_NS // 1_000), MAX_NS // 1_000)
-_MS_RANGE = (-(-MIN_NS // 1_000_000), MAX_NS // 1_000_000)
+_MS_RANGE = (-(-MIN_NS // MS), MAX_NS // MS)
 _HEX = re.compile(r"^[0-9a-fA-F]{1,32}$")
 _INTEGER = re.compile(r"^-?[0-9]{1,20}$")  # ASCII digits: int() would also read '١٢' and '1_000'
 _DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_UNIT_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "μs": 1_000, "ms": 1_000_000, "s": 1_000_000_000,
+_UNIT_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "μs": 1_000, "ms": MS, "s": NS,
             "m": 60_000_000_000, "h": 3_600_000_000_000}
 
 
@@ -323,10 +324,10 @@ async def find_traces(request: web.Request) -> web.Response:
 
 
 async def get_dependencies(request: web.Request) -> web.Response:
-    end_ms = _int_param(request, "endTs", time.time_ns() // 1_000_000, *_MS_RANGE)
+    end_ms = _int_param(request, "endTs", time.time_ns() // MS, *_MS_RANGE)
     lookback_ms = _int_param(request, "lookback", 0, 0, _MS_RANGE[1] - _MS_RANGE[0]) or DEFAULT_DEPENDENCY_LOOKBACK_MS
     links = await run_blocking(request.app[EXECUTOR], request.app[READER].dependencies,
-                               max(MIN_NS, (end_ms - lookback_ms) * 1_000_000), end_ms * 1_000_000)
+                               max(MIN_NS, (end_ms - lookback_ms) * MS), end_ms * MS)
     service = request.query.get("service")
     return _answer([{"parent": parent, "child": child, "callCount": n} for parent, child, n in links
                     if not service or service in (parent, child)])

@@ -5,3 +5,5 @@ builds their URLs (the CLI and alerts link to them). Pages are rendered on the
 server with Jinja2 (every value escaped); ``static/`` holds the small script
 that draws the charts with the vendored uPlot, and the style sheet.
 """
+
+__all__ = ["links", "routes"]

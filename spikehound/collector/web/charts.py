@@ -25,8 +25,8 @@ from typing import Any
 
 from spikehound.model import Cause, LatencyWindow, MetricKind
 from spikehound.storage.reader import KindedSeries
+from spikehound.units import NS
 
-NS = 1_000_000_000
 MAX_BUCKETS = 360
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 MAX_SERIES_PER_PANEL = 12

@@ -35,7 +35,8 @@ from spikehound.detectors.stack_diff import percent
 from spikehound.model import Cause, CauseKind, Span, Spike
 from spikehound.storage.reader import Reader
 from spikehound.text import recurrence
-from spikehound.timefmt import NS, parse_time, rfc3339
+from spikehound.timefmt import parse_time, rfc3339
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.web")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -1,11 +1,10 @@
 """The overview's streams: each entry point's newest window and its request rate over the last minute.
 
 >>> from spikehound.model import LatencyWindow
->>> S = 1_000_000_000
 >>> def w(op, start, count):
-...     return LatencyWindow("gateway", op, start * S, (start + 10) * S, count, 1, 2, 3, 4)
+...     return LatencyWindow("gateway", op, start * NS, (start + 10) * NS, count, 1, 2, 3, 4)
 >>> now = streams_now([w("GET /a", 0, 50), w("GET /a", 50, 100), w("GET /b", 40, 5), w("GET /a", 60, 200)])
->>> [(s.window.operation, s.window.start_unix_nano // S, s.rate) for s in now]
+>>> [(s.window.operation, s.window.start_unix_nano // NS, s.rate) for s in now]
 [('GET /a', 60, 5.0), ('GET /b', 40, 0.08333333333333333)]
 """
 
@@ -15,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from spikehound.model import LatencyWindow
+from spikehound.units import NS
 
-NS = 1_000_000_000
 RATE_NS = 60 * NS
 
 

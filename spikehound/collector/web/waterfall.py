@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from spikehound.detectors.critical_path import critical_path_times
 from spikehound.model import Span, SpanKind
+from spikehound.units import MS
 
-MS = 1_000_000
 # A component of the slow trace is "grown" when its critical-path time rose by at least this much...
 GROWN_MIN_NS = 1 * MS
 # ...and by this share of the whole trace's added latency, and of its own normal time.

@@ -1,6 +1,6 @@
 """Sparse, lumpy microservice traffic with injected faults: the shape real systems have.
 
-The scenario suite's first family (:mod:`spikehound.scenarios.traffic`) is dense and
+The scenario suite's first family (:mod:`harness.scenarios.traffic`) is dense and
 smooth: 20 requests a second through four services, every fault moving the
 entry stream. Recorded traffic of a real microservice benchmark looks nothing
 like that, and this generator builds timelines of *its* shape:
@@ -47,13 +47,12 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from harness.scenarios.traffic import Batch, poisson
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
-from spikehound.scenarios.traffic import Batch, poisson
+from spikehound.units import MS, NS
 
 __all__ = ["FAULT_KINDS", "GATEWAY", "MeshFault", "MeshTimeline", "reach"]
 
-NS = 1_000_000_000
-MS = 1_000_000
 GATEWAY = "ts-gateway-service"
 FAULT_KINDS = ("delay", "netem", "cpu")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spikehound.model import Span, SpanKind, StatusCode
-from spikehound.scenarios.traffic import MS
+from spikehound.units import MS
 
 
 def long_trace(trace_id: bytes, start_ns: int, spans: int = 2000) -> list[Span]:

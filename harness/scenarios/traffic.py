@@ -32,11 +32,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
+from spikehound.units import MS, NS
 
 __all__ = ["CONTROLS", "FAULTS", "Batch", "Scenario", "Truth", "poisson"]
 
-NS = 1_000_000_000
-MS = 1_000_000
 GPU_HOSTS = ("gpu-1", "gpu-2", "gpu-3")
 ENTRY = ("gateway", "POST /v1/predict")
 

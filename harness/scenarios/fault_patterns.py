@@ -1,6 +1,6 @@
 """Faults in the shapes production trouble takes: returns, neighbours in a row, and long ones.
 
-The mesh timelines of :mod:`spikehound.scenarios.mesh_traffic` give every fault at
+The mesh timelines of :mod:`harness.scenarios.mesh_traffic` give every fault at
 least 15 minutes of clean traffic after it. Real trouble is rarely so tidy: a
 noisy neighbour every few minutes, a cron job, a GC storm or a flapping link
 hits the same service again and again, one fault follows another on a
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 
-from spikehound.scenarios.mesh_traffic import FAULT_KINDS, GATEWAY, MeshFault, MeshTimeline, reach
+from harness.scenarios.mesh_traffic import FAULT_KINDS, GATEWAY, MeshFault, MeshTimeline, reach
 
 __all__ = ["FAMILIES", "back_to_back", "busy_services", "long_faults", "recurrences", "sparse_services"]
 
