@@ -55,7 +55,7 @@ from spikehound.detectors.resource import ResourceFlag
 from spikehound.model import Cause, CauseKind, Span, SpanKind
 from spikehound.units import MS
 
-__all__ = ["Breakdown", "NormalProfile", "attribute", "breakdown"]
+__all__ = ["NormalProfile", "TraceBreakdown", "attribute", "breakdown"]
 
 # (kind, service, operation, peer service); see the module docstring.
 Key = tuple[str, str, str | None, str | None]
@@ -67,7 +67,7 @@ ACCOUNT_SLACK = 1.5  # a resource accounts for a component that grew up to this 
 
 
 @dataclass(slots=True)
-class Breakdown:
+class TraceBreakdown:
     """One trace's critical-path time per component (ns), and the host that served each.
 
     The detector checkpoint pickles a spike's slow breakdowns (``DetectionEngine.snapshot``), so this class's
@@ -79,11 +79,11 @@ class Breakdown:
     hosts: dict[Key, str | None]
 
 
-def breakdown(spans: Sequence[Span] | TraceIndex, root: bytes | None = None) -> Breakdown:
+def breakdown(spans: Sequence[Span] | TraceIndex, root: bytes | None = None) -> TraceBreakdown:
     """The critical-path breakdown of the (sub)trace under ``root`` (the trace root when None)."""
     path = critical_path_times(spans, root)
     if not path:
-        return Breakdown(0, {}, {})
+        return TraceBreakdown(0, {}, {})
     callees = hop_callees(path)
     components: dict[Key, int] = {}
     hosts: dict[Key, str | None] = {}
@@ -107,7 +107,7 @@ def breakdown(spans: Sequence[Span] | TraceIndex, root: bytes | None = None) -> 
         kept = heapq.nlargest(MAX_COMPONENTS, components.items(), key=lambda item: item[1])
         components = dict(kept)
         hosts = {key: hosts[key] for key in components}
-    return Breakdown(total, components, hosts)
+    return TraceBreakdown(total, components, hosts)
 
 
 @dataclass(slots=True)
@@ -125,7 +125,7 @@ class NormalProfile:
     means: dict[Key, float] = field(default_factory=dict)
     normal_trace_id: bytes | None = None  # a typical normal request, shown beside the slow one
 
-    def learn(self, b: Breakdown) -> None:
+    def learn(self, b: TraceBreakdown) -> None:
         if not b.components:
             return
         self.traces += 1
@@ -142,7 +142,7 @@ class NormalProfile:
                 del self.means[key]
 
 
-def attribute(slow: Sequence[Breakdown], profile: NormalProfile, flags: Sequence[ResourceFlag],
+def attribute(slow: Sequence[TraceBreakdown], profile: NormalProfile, flags: Sequence[ResourceFlag],
               max_causes: int = 5) -> list[Cause]:
     """Ranked causes of the growth from ``profile`` to the ``slow`` traces, best first."""
     slow = [b for b in slow if b.components]
@@ -228,7 +228,7 @@ def _rank_key(item: tuple[float, Key], growth: dict[Key, float]) -> tuple[float,
     return (-round(score, 9), behind, key[0], key[1], key[2] or "", key[3] or "")
 
 
-def _serving_host(key: Key, slow: Sequence[Breakdown], profile: NormalProfile) -> str | None:
+def _serving_host(key: Key, slow: Sequence[TraceBreakdown], profile: NormalProfile) -> str | None:
     """The host whose slow traces put the most time into ``key`` beyond normal."""
     normal = profile.means.get(key, 0.0)
     excess: dict[str | None, float] = {}

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from spikehound.detectors.attribution import Breakdown, NormalProfile, attribute, breakdown
+from spikehound.detectors.attribution import NormalProfile, TraceBreakdown, attribute, breakdown
 from spikehound.detectors.critical_path import TraceIndex
 from spikehound.detectors.incidents import Group, Incident, IncidentBook, IncidentEvent, stream_rank
 from spikehound.detectors.resource import ResourceFlag, ResourceWatch
@@ -86,9 +86,9 @@ class DetectionEngine:
         # Per open incident: the critical-path breakdowns of its leading stream's slow requests, with their
         # (trace id, entry span id). Held as breakdowns, not trace ids, so that the trace buffer may forget
         # the traces of a long spike without changing its attribution.
-        self._slow: dict[str, list[tuple[bytes, bytes, Breakdown]]] = {}
+        self._slow: dict[str, list[tuple[bytes, bytes, TraceBreakdown]]] = {}
         self._viewed_from: dict[str, StreamKey] = {}  # per open incident: the stream it is attributed from
-        self._breakdowns: OrderedDict[tuple[bytes, bytes], Breakdown] = OrderedDict()
+        self._breakdowns: OrderedDict[tuple[bytes, bytes], TraceBreakdown] = OrderedDict()
         self._step_traces: dict[bytes, TraceIndex] = {}  # traces indexed during one step (see _trace)
         self._loci: OrderedDict[tuple[bytes, bytes], tuple[str, str | None]] = OrderedDict()  # (trace, span) -> locus
         self._metric_max_ns: int | None = None
@@ -370,7 +370,7 @@ class DetectionEngine:
             mine = [(t, sp) for t, sp in candidates if t in traces]
         return mine or candidates
 
-    def _breakdown(self, trace_id: bytes, span_id: bytes) -> Breakdown:
+    def _breakdown(self, trace_id: bytes, span_id: bytes) -> TraceBreakdown:
         key = (trace_id, span_id)
         found = self._breakdowns.get(key)
         if found is None:
