@@ -27,8 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.ports import free_port
 from harness.waiting import eventually
-from spikehound.agent.intake import partition_request
 from spikehound.agent.members import MEMBERS_DIR, Router
+from spikehound.agent.request_split import partition_request
 from spikehound.agent.routing import MembershipError, Rendezvous, StickyMap, resolve, safe_name
 from spikehound.agent.spool import DiskSpool, Item, Signal
 from spikehound.config import ConfigError, load

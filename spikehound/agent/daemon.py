@@ -22,12 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from spikehound import __version__
 from spikehound.agent.enrich import Enricher, machine_id
 from spikehound.agent.forwarder import AgentChain, channel_credentials
-from spikehound.agent.intake import DropLog, Intake
+from spikehound.agent.intake import Intake
 from spikehound.agent.members import Router
 from spikehound.agent.metrics_out import MetricsBridge
 from spikehound.agent.otlp_grpc import start_grpc
 from spikehound.agent.otlp_http import http_app
 from spikehound.agent.profiler import Profiler
+from spikehound.agent.request_split import DropLog
 from spikehound.agent.samplers.cpu import CpuSampler
 from spikehound.agent.samplers.network import NetworkSampler
 from spikehound.agent.samplers.nvml import NvmlSampler

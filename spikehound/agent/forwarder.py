@@ -49,7 +49,7 @@ from pathlib import Path
 import grpc
 
 from spikehound.agent.forward_queue import ForwardQueue
-from spikehound.agent.intake import DropLog, Dropped, request_sender, split_request
+from spikehound.agent.request_split import DropLog, Dropped, request_sender, split_request
 from spikehound.agent.spool import Item, Signal
 from spikehound.backoff import Backoff
 from spikehound.otlp import trailer_retry_delay

@@ -41,7 +41,7 @@ import grpc
 
 from spikehound.agent.forward_queue import COLLECTOR_MAX_REQUEST_BYTES, ForwardQueue
 from spikehound.agent.forwarder import AgentChain, Forwarder, ForwardStats
-from spikehound.agent.intake import DropLog, partition_request
+from spikehound.agent.request_split import DropLog, partition_request
 from spikehound.agent.routing import (
     MAX_MEMBERS,
     MembershipError,
