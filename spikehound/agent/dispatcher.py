@@ -212,7 +212,7 @@ class Dispatcher:
             self.apply(endpoints)
             await self.rerouter.trim()
         else:  # it names this agent alone: said once by leave_out_self; the last good membership stands
-            membership.resolve_failures += 1
+            membership.named_only_self()
 
     # --- running ----------------------------------------------------------------------------------
 

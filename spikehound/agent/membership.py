@@ -90,6 +90,11 @@ class Membership:
             self._failing = False
             log.info("collector membership: %s answers again", self.describe())
 
+    def named_only_self(self) -> None:
+        """The lookup named this agent alone (said by ``leave_out_self``): a failed lookup; the last good
+        membership stands."""
+        self.resolve_failures += 1
+
     def note_loop(self, key: str) -> None:
         """``key`` turned out to be this agent (what was forwarded there came back): left out while listed."""
         self.self_members["loop"] += 1
