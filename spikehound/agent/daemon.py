@@ -101,7 +101,7 @@ class Agent:
         credentials = channel_credentials(a.collector_ca_file, a.collector_cert_file, a.collector_key_file)
         self.dispatcher = Dispatcher(
             parse_collectors(a.collector), host, QueueSettings(spool_dir, a.memory_queue_bytes, a.spool_max_bytes),
-            ForwardSettings(a.collector_token, credentials, drop_log, self.chain),
+            ForwardSettings(token=a.collector_token, credentials=credentials, drop_log=drop_log, chain=self.chain),
             RouteTimes(sticky_seconds=a.route_sticky_seconds, resolve_seconds=a.collector_resolve_seconds),
             listens=self._listens)
         await self.dispatcher.start()
