@@ -1,7 +1,7 @@
 """What departed collectors hold: forwarded to them while they answer, else routed over the current members.
 
 A member that leaves the membership keeps its queue forwarded to it until it is empty; when it has not answered
-for ``reroute_after`` seconds since it left (``agent`` default: REROUTE_AFTER_SECONDS), what it still holds is
+for ``reroute_after`` seconds since it left (REROUTE_AFTER_SECONDS, five minutes), what it still holds is
 routed over the current members by trace (counted), so nothing acknowledged is lost. Spool directories of
 earlier members found at start are handled the same way. The spool directory of a member gone for good is
 removed once it holds nothing (when it is forgotten, or when the agent stops). At most MAX_HELD_MEMBERS members
