@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from harness.waiting import eventually
 from spikehound.agent.enrich import Enricher
 from spikehound.agent.forward_queue import ForwardQueue
-from spikehound.agent.intake import Intake
+from spikehound.agent.intake import Intake, export_response
 from spikehound.agent.otlp_http import http_app
 from spikehound.agent.spool import DiskSpool, Signal
 from spikehound.otlp import PayloadError
@@ -67,7 +67,7 @@ def test_a_request_enrichment_pushes_over_the_limit_is_split_before_it_is_queued
     assert LIMIT - 400 < len(payload) <= LIMIT  # the sender's request fits; enriched, it does not
     intake = Intake(Enricher(IDENTITY), queue)
     accepted = intake.accept(Signal.TRACES, payload, "grpc")
-    assert (accepted.queued, accepted.rejected) == (40, 0)
+    assert (accepted.kept, accepted.rejected) == (40, 0)
     items = queued(queue)
     assert len(items) >= 2 and all(len(i.payload) <= LIMIT for i in items)
     assert sum(i.count for i in items) == 40
@@ -91,7 +91,7 @@ def test_a_metric_with_more_points_than_fit_is_split_by_data_point(queue):
         point.attributes.add(key="hw.id").value.string_value = f"GPU-{n % 8}"
     intake = Intake(Enricher(IDENTITY), queue)
     accepted = intake.accept(Signal.METRICS, request.SerializeToString(), "http")
-    assert (accepted.queued, accepted.rejected) == (1500, 0)
+    assert (accepted.kept, accepted.rejected) == (1500, 0)
     items = queued(queue)
     assert len(items) >= 3 and all(len(i.payload) <= LIMIT for i in items)
     values = []
@@ -109,8 +109,8 @@ def test_a_span_alone_over_the_limit_is_refused_to_its_sender_and_the_rest_queue
     payload = trace_request(("prefill", 100), ("decode", 2 * LIMIT), ("sample", 100))
     with caplog.at_level(logging.ERROR, logger="spikehound.agent"):
         accepted = intake.accept(Signal.TRACES, payload, "grpc")
-        assert (accepted.queued, accepted.rejected) == (2, 1)
-        response = accepted.response()
+        assert (accepted.kept, accepted.rejected) == (2, 1)
+        response = export_response(Signal.TRACES, accepted)
         assert response.partial_success.rejected_spans == 1
         assert f"larger than the {LIMIT} bytes" in response.partial_success.error_message
         assert span_names([i.payload for i in queued(queue)]) == ["prefill@0", "sample@0"]

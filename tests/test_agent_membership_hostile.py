@@ -21,9 +21,12 @@ from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.membership_storm import storm
 from harness.ports import free_port
 from harness.waiting import eventually
-from spikehound.agent import members as members_module
-from spikehound.agent.members import MEMBERS_DIR, Router
-from spikehound.agent.routing import MembershipError, Rendezvous, resolve, safe_name
+from spikehound.agent import membership as membership_module
+from spikehound.agent import reroute as reroute_module
+from spikehound.agent.dispatcher import Dispatcher
+from spikehound.agent.member_forwarding import MEMBERS_DIR, QueueSettings, safe_name
+from spikehound.agent.membership_lookup import MembershipError, resolve
+from spikehound.agent.rendezvous import Rendezvous
 from spikehound.agent.spool import Item, Signal
 from spikehound.endpoints import Endpoint, parse_collectors
 from tests.support.served import stored_spans
@@ -127,7 +130,7 @@ def test_a_lookup_that_never_answers_is_abandoned_and_hung_lookups_are_capped(tm
     path = tmp_path / "collectors"
     path.write_text(f"{a}\n")
     release = threading.Event()
-    real_resolve = members_module.resolve
+    real_resolve = membership_module.resolve
 
     def hang(source: object) -> list[Endpoint]:
         release.wait(60)
@@ -137,34 +140,34 @@ def test_a_lookup_that_never_answers_is_abandoned_and_hung_lookups_are_capped(tm
         return sum(t.name == "collector-membership" and t.is_alive() for t in threading.enumerate())
 
     async def scenario() -> None:
-        router = Router(parse_collectors(f"file://{path}"), tmp_path / "spool", host=HOST, memory_bytes=1 << 20,
-                        spool_max_bytes=1 << 24)
-        await router.start()
-        monkeypatch.setattr(members_module, "RESOLVE_TIMEOUT_SECONDS", 0.2)
-        monkeypatch.setattr(members_module, "resolve", hang)
-        await router.refresh()  # hangs past its deadline: the last good membership stands
-        assert [m.key for m in router.active] == [a] and router.resolve_failures == 1
+        queues = QueueSettings(tmp_path / "spool", 1 << 20, 1 << 24)
+        dispatcher = Dispatcher(parse_collectors(f"file://{path}"), HOST, queues)
+        await dispatcher.start()
+        monkeypatch.setattr(membership_module, "RESOLVE_TIMEOUT_SECONDS", 0.2)
+        monkeypatch.setattr(membership_module, "resolve", hang)
+        await dispatcher.refresh()  # hangs past its deadline: the last good membership stands
+        assert [m.key for m in dispatcher.active] == [a] and dispatcher.membership.resolve_failures == 1
 
-        monkeypatch.setattr(members_module, "resolve", real_resolve)
+        monkeypatch.setattr(membership_module, "resolve", real_resolve)
         path.write_text(f"{a}\n{b}\n")
-        await router.refresh()  # a fresh lookup, although the first still hangs
-        assert [m.key for m in router.active] == [a, b]
-        assert getattr(router, "abandoned_lookups", None) == 1
+        await dispatcher.refresh()  # a fresh lookup, although the first still hangs
+        assert [m.key for m in dispatcher.active] == [a, b]
+        assert dispatcher.membership.abandoned_lookups == 1
 
-        monkeypatch.setattr(members_module, "resolve", hang)
+        monkeypatch.setattr(membership_module, "resolve", hang)
         for _ in range(10):  # a storm of lookups that hang: the threads stop growing at the cap
-            await router.refresh()
-        assert lookup_threads() == members_module.MAX_HUNG_LOOKUPS
-        assert router.abandoned_lookups == members_module.MAX_HUNG_LOOKUPS
-        assert router.resolve_failures == 11
+            await dispatcher.refresh()
+        assert lookup_threads() == membership_module.MAX_HUNG_LOOKUPS
+        assert dispatcher.membership.abandoned_lookups == membership_module.MAX_HUNG_LOOKUPS
+        assert dispatcher.membership.resolve_failures == 11
         release.set()
         eventually(lambda: lookup_threads() == 0, "the hung lookups to end once released", 5, 0.01)
-        monkeypatch.setattr(members_module, "resolve", real_resolve)
+        monkeypatch.setattr(membership_module, "resolve", real_resolve)
         path.write_text(f"{b}\n")
-        await router.refresh()
-        assert [m.key for m in router.active] == [b]
-        await router.close_forwarders()
-        router.close()
+        await dispatcher.refresh()
+        assert [m.key for m in dispatcher.active] == [b]
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
     try:
         asyncio.run(scenario())
@@ -196,7 +199,7 @@ def test_a_rename_storm_leaves_the_agent_small_and_the_next_real_change_is_appli
 
 
 def test_own_addresses_are_every_local_address_behind_a_wildcard_and_only_the_bound_one_otherwise():
-    from spikehound.agent.routing import own_members  # new with the check: imported here, not at the top
+    from spikehound.agent.membership_lookup import own_members
     from spikehound.config import HostPort
 
     local = sorted(str(a.address) for entries in psutil.net_if_addrs().values() for a in entries
@@ -337,19 +340,19 @@ def test_a_member_name_too_long_for_a_directory_is_a_member_at_start_and_after_a
     write_members(path, [good, long])
 
     async def scenario() -> None:
-        router = Router(parse_collectors(f"file://{path}" if form == "file" else f"{good},{long}"),
-                        tmp_path / "spool", host=HOST, memory_bytes=1 << 20, spool_max_bytes=1 << 24)
-        await router.start()
-        assert sorted(m.key for m in router.active) == sorted([good, long])
+        dispatcher = Dispatcher(parse_collectors(f"file://{path}" if form == "file" else f"{good},{long}"), HOST,
+                            QueueSettings(tmp_path / "spool", 1 << 20, 1 << 24))
+        await dispatcher.start()
+        assert sorted(m.key for m in dispatcher.active) == sorted([good, long])
         if form == "file":
             write_members(path, [good])
-            await router.refresh()
+            await dispatcher.refresh()
             write_members(path, [long])
-            await router.refresh()
-            assert [m.key for m in router.active] == [long] and router.membership_changes == 2
-            assert router._ring is not None and router._ring.members == (long,)
-        await router.close_forwarders()
-        router.close()
+            await dispatcher.refresh()
+            assert [m.key for m in dispatcher.active] == [long] and dispatcher.membership_changes == 2
+            assert dispatcher._ring is not None and dispatcher._ring.members == (long,)
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
     asyncio.run(scenario())
 
@@ -358,7 +361,7 @@ def test_membership_churn_holds_at_most_the_cap_of_members_and_loses_nothing_que
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A file rewritten with new members faster than departed ones are forgotten: what the agent holds stays
     capped; empty departed members go at once (counted), one that holds data has it rerouted, never dropped."""
-    monkeypatch.setattr(members_module, "MAX_HELD_MEMBERS", 8, raising=False)
+    monkeypatch.setattr(reroute_module, "MAX_HELD_MEMBERS", 8)
     path = tmp_path / "collectors"
     ports = iter(range(20000, 20400))
     now = [1000.0]
@@ -368,20 +371,21 @@ def test_membership_churn_holds_at_most_the_cap_of_members_and_loses_nothing_que
 
     async def scenario() -> None:
         write_members(path, batch())
-        router = Router(parse_collectors(f"file://{path}"), tmp_path / "spool", host=HOST, memory_bytes=1 << 20,
-                        spool_max_bytes=1 << 24, clock=lambda: now[0])
-        await router.start()
-        assert router.put_all([Item(Signal.METRICS, b"\x0a\x00", 1)])  # held by the host's owner
+        queues = QueueSettings(tmp_path / "spool", 1 << 20, 1 << 24)
+        dispatcher = Dispatcher(parse_collectors(f"file://{path}"), HOST, queues,
+                            clock=lambda: now[0])
+        await dispatcher.start()
+        assert dispatcher.put_all([Item(Signal.METRICS, b"\x0a\x00", 1)])  # held by the host's owner
         for _ in range(30):
             write_members(path, batch())
-            await router.refresh()
+            await dispatcher.refresh()
             now[0] += 0.3
-            assert len(router.members) <= 8, len(router.members)  # before a change is applied, too
-            assert len(router) == 1  # the queued request moved, never lost
-        assert router.retired_early >= 30 * 4 - 8
+            assert len(dispatcher.members) <= 8, len(dispatcher.members)  # before a change is applied, too
+            assert dispatcher.totals.requests == 1  # the queued request moved, never lost
+        assert dispatcher.rerouter.retired_early >= 30 * 4 - 8
         assert len(list((tmp_path / "spool" / MEMBERS_DIR).iterdir())) <= 8
-        await router.close_forwarders()
-        router.close()
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
     asyncio.run(scenario())
 

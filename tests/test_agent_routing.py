@@ -1,8 +1,8 @@
-"""The agent routing whole traces to one of several collectors (``agent/routing.py``,
-``agent/members.py`` in ``spikehound/``).
+"""The agent routing whole traces to one of several collectors (``agent/rendezvous.py``, ``agent/dispatcher.py``,
+``agent/membership.py``, ``agent/reroute.py`` in ``spikehound/``).
 
 Unit: rendezvous hashing moves only the changed member's traces and agrees across processes; a real OTLP
-request is split by owner with every trace whole; the router keeps traces on their member across a
+request is split by owner with every trace whole; the dispatcher keeps traces on their member across a
 membership change and reroutes what a departed, silent member holds. Live: a real agent between the
 OpenTelemetry SDK and two or three real collectors on SQLite, each database checked for whole traces.
 """
@@ -27,9 +27,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from harness.daemons import AgentProcess, CollectorThread, collector_config
 from harness.ports import free_port
 from harness.waiting import eventually
-from spikehound.agent.intake import partition_request
-from spikehound.agent.members import MEMBERS_DIR, Router
-from spikehound.agent.routing import MembershipError, Rendezvous, StickyMap, resolve, safe_name
+from spikehound.agent.dispatcher import Dispatcher, RouteTimes
+from spikehound.agent.member_forwarding import MEMBERS_DIR, QueueSettings, safe_name
+from spikehound.agent.membership_lookup import MembershipError, resolve
+from spikehound.agent.rendezvous import Rendezvous, StickyMap
+from spikehound.agent.request_split import partition_request
 from spikehound.agent.spool import DiskSpool, Item, Signal
 from spikehound.config import ConfigError, load
 from spikehound.endpoints import parse_collectors
@@ -66,7 +68,7 @@ def test_every_process_agrees_on_the_owners():
     ids = [i.to_bytes(16, "big") for i in range(0, 2000, 7)]
     ring = Rendezvous(["10.0.0.1:4317", "10.0.0.2:4317", "https://c.example:4317"])
     here = "".join(ring.owner(t)[-6] for t in ids)  # one character that differs between the three
-    script = ("from spikehound.agent.routing import Rendezvous\n"
+    script = ("from spikehound.agent.rendezvous import Rendezvous\n"
               "ring = Rendezvous(['https://c.example:4317', '10.0.0.2:4317', '10.0.0.1:4317'])\n"
               "print(''.join(ring.owner(i.to_bytes(16, 'big'))[-6] for i in range(0, 2000, 7)))\n")
     for seed in ("1", "4242"):  # Python's own hash is salted per process: it must play no part
@@ -126,7 +128,7 @@ def test_a_request_splits_into_one_piece_per_owner_with_every_trace_whole_and_it
     assert one_owner == {"only": (payload, len(spans))}  # kept as encoded, not rebuilt
 
 
-# --- the router, in process ------------------------------------------------------------------------
+# --- the dispatcher, in process ------------------------------------------------------------------------
 
 
 def _trace_item(trace_ids: list[bytes]) -> Item:
@@ -136,10 +138,10 @@ def _trace_item(trace_ids: list[bytes]) -> Item:
     return Item(Signal.TRACES, encode_spans(spans).SerializeToString(), len(spans))
 
 
-def _queued_traces(router: Router) -> dict[str, set[bytes]]:
+def _queued_traces(dispatcher: Dispatcher) -> dict[str, set[bytes]]:
     """member -> trace ids in its queue."""
     out: dict[str, set[bytes]] = {}
-    for key, member in router.members.items():
+    for key, member in dispatcher.members.items():
         ids = out.setdefault(key, set())
         for batch in member.queue.peek_batches(1 << 30):
             for item in batch:
@@ -156,43 +158,45 @@ def test_after_a_membership_change_known_traces_keep_their_member_and_a_silent_d
     now = [1000.0]
 
     async def scenario() -> None:
-        router = Router(parse_collectors(f"file://{members}"), tmp_path / "spool", host=HOST, memory_bytes=1 << 20,
-                        spool_max_bytes=1 << 24, sticky_seconds=60, reroute_after=300, clock=lambda: now[0])
-        await router.start()
-        assert [m.key for m in router.active] == [a, b]
+        queues = QueueSettings(tmp_path / "spool", 1 << 20, 1 << 24)
+        dispatcher = Dispatcher(parse_collectors(f"file://{members}"), HOST, queues,
+                            times=RouteTimes(sticky_seconds=60, reroute_after=300), clock=lambda: now[0])
+        await dispatcher.start()
+        assert [m.key for m in dispatcher.active] == [a, b]
         first = [os.urandom(16) for _ in range(40)]
-        assert router.put_all([_trace_item(first)])
+        assert dispatcher.put_all([_trace_item(first)])
         owner_before = {t: Rendezvous([a, b]).owner(t) for t in first}
-        assert _queued_traces(router) == {k: {t for t in first if owner_before[t] == k} for k in (a, b)}
+        assert _queued_traces(dispatcher) == {k: {t for t in first if owner_before[t] == k} for k in (a, b)}
 
         members.write_text(f"{b}\n{c}\n")  # a leaves, c joins
-        await router.refresh()
-        assert [m.key for m in router.active] == [b, c] and router.membership_changes == 1
+        await dispatcher.refresh()
+        assert [m.key for m in dispatcher.active] == [b, c] and dispatcher.membership_changes == 1
         later = [os.urandom(16) for _ in range(40)]
-        assert router.put_all([_trace_item(first + later)])  # more spans of the first traces, and new ones
-        queued = _queued_traces(router)
+        assert dispatcher.put_all([_trace_item(first + later)])  # more spans of the first traces, and new ones
+        queued = _queued_traces(dispatcher)
         new_owner = Rendezvous([b, c])
         for t in first:  # seen before the change: still with the member they had, the departed a too
             assert t in queued[owner_before[t]] and sum(t in ids for ids in queued.values()) == 1
         for t in later:
             assert t in queued[new_owner.owner(t)] and sum(t in ids for ids in queued.values()) == 1
-        held = len(router.members[a].queue)
-        assert held and router.members[a].state == "departing"
+        held = len(dispatcher.members[a].queue)
+        assert held and dispatcher.members[a].state == "departing"
 
         # a never answers: once it has been silent for REROUTE_AFTER since it left, its queue moves.
-        await router.members[a].forwarder.flush(timeout=0.5)
-        assert router.members[a].forwarder.stalled_seconds == 0  # its first failure: the silence starts now
+        await dispatcher.members[a].forwarder.flush(timeout=0.5)
+        assert dispatcher.members[a].forwarder.stalled_seconds == 0  # its first failure: the silence starts now
         now[0] += 301
-        await router.tend()
-        assert a not in router.members and router.rerouted_requests == held
-        queued = _queued_traces(router)
+        await dispatcher.tend()
+        assert a not in dispatcher.members and dispatcher.rerouter.rerouted_requests == held
+        queued = _queued_traces(dispatcher)
         assert set(queued) == {b, c}
         for t in first + later:
             assert sum(t in ids for ids in queued.values()) == 1
         assert not (tmp_path / "spool" / MEMBERS_DIR / safe_name(a)).exists()
-        assert router.stats().failures["unavailable"] >= 1  # the departed forwarder's counts stay in the totals
-        await router.close_forwarders()
-        router.close()
+        # the departed forwarder's counts stay in the totals
+        assert dispatcher.totals.stats().failures["unavailable"] >= 1
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
     asyncio.run(scenario())
 
@@ -204,20 +208,19 @@ def test_a_request_is_queued_all_or_none_and_pushed_back_when_one_owner_has_no_r
     to_b = [t for t in (os.urandom(16) for _ in range(200)) if ring.owner(t) == b]
 
     async def scenario() -> None:
-        router = Router(parse_collectors(f"{a},{b}"), tmp_path / "spool", host=HOST, memory_bytes=16_000,
-                        spool_max_bytes=8_000)
-        await router.start()
-        queue_a, queue_b = router.members[a].queue, router.members[b].queue
-        while router.put_all([_trace_item([to_a.pop()])]):  # fill a: its memory share, then the shared spool
+        dispatcher = Dispatcher(parse_collectors(f"{a},{b}"), HOST, QueueSettings(tmp_path / "spool", 16_000, 8_000))
+        await dispatcher.start()
+        queue_a, queue_b = dispatcher.members[a].queue, dispatcher.members[b].queue
+        while dispatcher.put_all([_trace_item([to_a.pop()])]):  # fill a: its memory share, then the shared spool
             pass
         assert queue_a.memory_items and len(queue_a.spool)
-        assert router.refused == {a: 1} and len(queue_b) == 0
-        assert not router.put_all([_trace_item([to_a.pop(), to_b.pop()])])  # b has room, a has none: neither
-        assert len(queue_b) == 0 and router.refused == {a: 2}
-        assert router.put_all([_trace_item([to_b.pop()])])  # b alone still flows
+        assert dispatcher.refused == {a: 1} and len(queue_b) == 0
+        assert not dispatcher.put_all([_trace_item([to_a.pop(), to_b.pop()])])  # b has room, a has none: neither
+        assert len(queue_b) == 0 and dispatcher.refused == {a: 2}
+        assert dispatcher.put_all([_trace_item([to_b.pop()])])  # b alone still flows
         assert len(queue_b) == 1
-        await router.close_forwarders()
-        router.close()
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
     asyncio.run(scenario())
 
@@ -228,24 +231,24 @@ def test_a_bad_or_empty_membership_file_keeps_the_last_good_one(tmp_path, caplog
     members.write_text(f"{a}\n{b}\n")
 
     async def scenario() -> None:
-        router = Router(parse_collectors(f"file://{members}"), tmp_path / "spool", host=HOST, memory_bytes=1 << 20,
-                        spool_max_bytes=1 << 24)
-        await router.start()
+        queues = QueueSettings(tmp_path / "spool", 1 << 20, 1 << 24)
+        dispatcher = Dispatcher(parse_collectors(f"file://{members}"), HOST, queues)
+        await dispatcher.start()
         for text in ("a-host-without-a-port\n", "# nothing\n", None, "nowhere:99999\n"):
             if text is None:
                 members.unlink()
             else:
                 members.write_text(text)
-            await router.refresh()
-            assert [m.key for m in router.active] == [a, b]
-        assert router.resolve_failures == 4 and router.membership_changes == 0
+            await dispatcher.refresh()
+            assert [m.key for m in dispatcher.active] == [a, b]
+        assert dispatcher.membership.resolve_failures == 4 and dispatcher.membership_changes == 0
         members.write_text(f"{a}\n")
-        await router.refresh()
-        assert [m.key for m in router.active] == [a] and router.membership_changes == 1
-        await router.close_forwarders()
-        router.close()
+        await dispatcher.refresh()
+        assert [m.key for m in dispatcher.active] == [a] and dispatcher.membership_changes == 1
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
-    with caplog.at_level("WARNING", logger="spikehound.agent.members"):
+    with caplog.at_level("WARNING", logger="spikehound.agent.membership"):
         asyncio.run(scenario())
     assert len([r for r in caplog.records if "keeping the last good one" in r.getMessage()]) == 1  # one episode
 
@@ -257,16 +260,16 @@ def test_spools_keep_their_place_across_a_change_between_one_endpoint_and_many(t
     old.extend([_trace_item([os.urandom(16)]) for _ in range(5)])
     old.close()
 
-    async def start(collector: str) -> Router:
-        router = Router(parse_collectors(collector), spool_dir, host=HOST, memory_bytes=1 << 20,
-                        spool_max_bytes=1 << 24, sticky_seconds=0)
-        await router.start()
-        return router
+    async def start(collector: str) -> Dispatcher:
+        dispatcher = Dispatcher(parse_collectors(collector), HOST, QueueSettings(spool_dir, 1 << 20, 1 << 24),
+                            times=RouteTimes(sticky_seconds=0))
+        await dispatcher.start()
+        return dispatcher
 
-    async def stop(router: Router) -> None:
-        router.spill_memory()
-        await router.close_forwarders()
-        router.close()
+    async def stop(dispatcher: Dispatcher) -> None:
+        dispatcher.spill_memory()
+        await dispatcher.close_forwarders()
+        dispatcher.close()
 
     async def scenario() -> None:
         one = await start(a)  # one endpoint: the old spool is its spool, replayed first
@@ -289,7 +292,7 @@ def test_spools_keep_their_place_across_a_change_between_one_endpoint_and_many(t
         assert back.members[b].directory == spool_dir and len(back.members[b].queue) == 5
         held = len(back.members[leftover[0]].queue)
         await back.tend()
-        assert leftover[0] not in back.members and back.rerouted_requests == held
+        assert leftover[0] not in back.members and back.rerouter.rerouted_requests == held
         assert len(back.members[b].queue) == 5 + held
         await stop(back)
 

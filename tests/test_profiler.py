@@ -533,11 +533,11 @@ def test_a_process_pid_no_int_takes_never_refuses_the_senders_spans(queue, monke
     intake = Intake(Enricher({"host.name": "h"}, on_resource=services.learn_resource), queue, services=services)
     for n in range(2):
         assert intake.accept(Signal.TRACES, span_request("svc", "\u00b2"), "grpc",
-                             peer=f"ipv4:127.0.0.1:{40000 + n}").queued == 1
+                             peer=f"ipv4:127.0.0.1:{40000 + n}").kept == 1
     # A bug anywhere in learning a service is counted, and the spans are taken all the same.
     monkeypatch.setattr(services, "note_peer", lambda *a: 1 / 0)
     monkeypatch.setattr(services, "_claim", lambda *a: 1 / 0)
-    assert intake.accept(Signal.TRACES, span_request("svc2", 7), "grpc", peer="ipv4:127.0.0.1:40009").queued == 1
+    assert intake.accept(Signal.TRACES, span_request("svc2", 7), "grpc", peer="ipv4:127.0.0.1:40009").kept == 1
     assert services.errors == 2 and len(queued(queue)) == 3
 
 

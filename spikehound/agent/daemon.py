@@ -20,14 +20,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from spikehound import __version__
+from spikehound.agent.dispatcher import Dispatcher, RouteTimes
 from spikehound.agent.enrich import Enricher, machine_id
 from spikehound.agent.forwarder import AgentChain, channel_credentials
-from spikehound.agent.intake import DropLog, Intake
-from spikehound.agent.members import Router
+from spikehound.agent.intake import Intake
+from spikehound.agent.member_forwarding import ForwardSettings, QueueSettings
 from spikehound.agent.metrics_out import MetricsBridge
 from spikehound.agent.otlp_grpc import start_grpc
 from spikehound.agent.otlp_http import http_app
 from spikehound.agent.profiler import Profiler
+from spikehound.agent.request_split import DropLog
 from spikehound.agent.samplers.cpu import CpuSampler
 from spikehound.agent.samplers.network import NetworkSampler
 from spikehound.agent.samplers.nvml import NvmlSampler
@@ -96,14 +98,13 @@ class Agent:
         host = a.host_name or socket.gethostname()
         drop_log = DropLog()
         # One forward queue, spool and forwarder per collector; traces are routed whole to one of them.
-        self.router = Router(parse_collectors(a.collector), spool_dir, host=host, memory_bytes=a.memory_queue_bytes,
-                             spool_max_bytes=a.spool_max_bytes, token=a.collector_token,
-                             credentials=channel_credentials(a.collector_ca_file, a.collector_cert_file,
-                                                             a.collector_key_file),
-                             drop_log=drop_log, sticky_seconds=a.route_sticky_seconds,
-                             resolve_seconds=a.collector_resolve_seconds, listens=self._listens,
-                             chain=self.chain)
-        await self.router.start()
+        credentials = channel_credentials(a.collector_ca_file, a.collector_cert_file, a.collector_key_file)
+        self.dispatcher = Dispatcher(
+            parse_collectors(a.collector), host, QueueSettings(spool_dir, a.memory_queue_bytes, a.spool_max_bytes),
+            ForwardSettings(token=a.collector_token, credentials=credentials, drop_log=drop_log, chain=self.chain),
+            RouteTimes(sticky_seconds=a.route_sticky_seconds, resolve_seconds=a.collector_resolve_seconds),
+            listens=self._listens)
+        await self.dispatcher.start()
         gpu_ids = [g["hw.id"] for s in self.sampling.samplers if isinstance(s, NvmlSampler) for g in s.gpus]
         identity: dict[str, Any] = {"host.name": host, "host.id": machine_id(), "nvidia.gpu.uuids": gpu_ids}
         self.services = ServiceMap()
@@ -112,10 +113,10 @@ class Agent:
         services = self.services if self.profiler is not None else None
         # A resource's process.pid is weighed against the socket table, per connection, by the intake (not by
         # the enricher, which sees a resource without the connection it came by).
-        self.intake = Intake(Enricher(identity), self.router, drop_log=drop_log, services=services)
+        self.intake = Intake(Enricher(identity), self.dispatcher, drop_log=drop_log, services=services)
         self.bridge = MetricsBridge({"service.name": "spikehound-agent", "service.version": __version__, **identity},
                                     self._queue_own_metrics)
-        registry = registry_for(AgentMetrics(self.intake, self.router, self.sampling, self.bridge, self.profiler))
+        registry = registry_for(AgentMetrics(self.intake, self.dispatcher, self.sampling, self.bridge, self.profiler))
         self._metrics = HttpServer(_metrics_app(registry, lambda: self._running), a.metrics_listen, "agent /metrics")
         self._http = HttpServer(http_app(self.intake, a.max_request_bytes), a.otlp_http, "OTLP/HTTP")
         self._grpc = GrpcServer("OTLP/gRPC", functools.partial(start_grpc, self.intake, a.otlp_grpc,
@@ -154,12 +155,12 @@ class Agent:
             return {pid: str(attributes.get("process.executable.name", ""))
                     for pid, attributes in cpu.processes.items()}
 
-        return Profiler(processes, self.router, host, services=self.services, rate_hz=a.profile_rate_hz,
+        return Profiler(processes, self.dispatcher, host, services=self.services, rate_hz=a.profile_rate_hz,
                         window_seconds=a.profile_window_seconds, threads=a.profile_threads,
                         max_processes=a.profile_max_processes)
 
     async def _start_tasks(self) -> None:
-        tasks = [(self.router.run(), "forwarders"), (self._sample_forever(), "sampling")]
+        tasks = [(self.dispatcher.run(), "forwarders"), (self._sample_forever(), "sampling")]
         if self.profiler is not None:
             tasks.append((self.profiler.run(), "profiler"))
         for coro, name in tasks:
@@ -178,23 +179,23 @@ class Agent:
             await self.profiler.aclose()
 
     async def _drain_forwarder(self) -> None:
-        await self.router.drain(self.cfg.agent.drain_seconds)
-        await self.router.close_forwarders()
+        await self.dispatcher.drain(self.cfg.agent.drain_seconds)
+        await self.dispatcher.close_forwarders()
 
     async def _spool_queue(self) -> None:
-        left = self.router.spill_memory()
+        left = self.dispatcher.spill_memory()
         if left:
             log.error("spool full or not writable at shutdown: %d queued requests could not be kept", left)
-        if self.router.spool_requests:
-            log.info("%d requests left in the disk spool for the next start", self.router.spool_requests)
-        self.router.close()
+        if self.dispatcher.totals.spool_requests:
+            log.info("%d requests left in the disk spool for the next start", self.dispatcher.totals.spool_requests)
+        self.dispatcher.close()
 
     async def _close_samplers(self) -> None:
         self.sampling.close()
 
     def _queue_own_metrics(self, payload: bytes, points: int) -> bool:
         try:
-            return self.router.put_all([Item(Signal.METRICS, payload, points)])
+            return self.dispatcher.put_all([Item(Signal.METRICS, payload, points)])
         except SpoolWriteError:  # logged and counted by the spool; the samples of this tick are lost
             return False
 

@@ -38,7 +38,7 @@ COLLECTOR_MAX_REQUEST_BYTES = CollectorConfig().max_request_bytes
 
 
 class Sink(Protocol):
-    """Where the receivers, the profiler and the samplers queue requests: a ForwardQueue, or the Router."""
+    """Where the receivers, the profiler and the samplers queue requests: a ForwardQueue, or the Dispatcher."""
 
     @property
     def max_request_bytes(self) -> int: ...

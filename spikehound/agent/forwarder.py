@@ -31,7 +31,7 @@ Every request carries the agent's instance id and those of the agents that forwa
 (``INSTANCE_HEADER``, see ``AgentChain``). An agent's receiver refuses a request carrying its own id with
 FAILED_PRECONDITION and ``LOOP_TRAILER``: the member is this agent itself, reached through a name or a proxy,
 or an agent upstream of it (A -> B -> A). The forwarder then sets ``looped`` (and retries no faster than after any other
-failure) for the router to take the member out; nothing is dropped.
+failure) for the dispatcher to take the member out; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pathlib import Path
 import grpc
 
 from spikehound.agent.forward_queue import ForwardQueue
-from spikehound.agent.intake import DropLog, Dropped, request_sender, split_request
+from spikehound.agent.request_split import DropLog, Dropped, request_sender, split_request
 from spikehound.agent.spool import Item, Signal
 from spikehound.backoff import Backoff
 from spikehound.otlp import trailer_retry_delay

@@ -19,9 +19,10 @@ import grpc
 from google.rpc import code_pb2
 
 from spikehound.agent.forwarder import INSTANCE_HEADER, LOOP_TRAILER, AgentChain
-from spikehound.agent.intake import Intake, QueueFull, QueueUnavailable
+from spikehound.agent.intake import Intake, QueueUnavailable, export_response
 from spikehound.agent.spool import Signal
 from spikehound.config import HostPort
+from spikehound.export_outcome import QueueFull
 from spikehound.otlp import PayloadError, retry_trailers
 
 log = logging.getLogger("spikehound.agent.grpc")
@@ -59,7 +60,7 @@ def _export(intake: Intake, signal: Signal,
             trailers = retry_trailers(code_pb2.UNAVAILABLE, str(exc), RETRY_AFTER_SECONDS)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=trailers)
         # An empty ExportTraceServiceResponse / ExportMetricsServiceResponse unless something was rejected.
-        return accepted.response().SerializeToString() if accepted.rejected else b""
+        return export_response(signal, accepted).SerializeToString() if accepted.rejected else b""
 
     return export
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from spikehound.agent.intake import Intake, QueueFull, QueueUnavailable
+from spikehound.agent.intake import Intake, QueueUnavailable, export_response
 from spikehound.agent.otlp_grpc import RETRY_AFTER_SECONDS
 from spikehound.agent.spool import Signal
+from spikehound.export_outcome import QueueFull
 from spikehound.otlp import PayloadError
 from spikehound.otlp_http_framing import (
     Refused,
@@ -47,7 +48,7 @@ def http_app(intake: Intake, max_request_bytes: int) -> web.Application:
         except QueueUnavailable as exc:
             return status_response(503, str(exc), framing.as_json, retry_after=RETRY_AFTER_SECONDS)
         # Empty unless partial_success reports what was too large to forward.
-        return message_response(accepted.response(), framing.as_json)
+        return message_response(export_response(signal, accepted), framing.as_json)
 
     async def traces(request: web.Request) -> web.Response:
         return await handle(request, Signal.TRACES)

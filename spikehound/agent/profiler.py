@@ -67,6 +67,7 @@ from spikehound.agent.services import ServiceMap
 from spikehound.agent.spool import Item, Signal, SpoolWriteError
 from spikehound.model import Frame, ProfileStack
 from spikehound.otlp_profiles import encode_profiles
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.agent.profiler")
 
@@ -382,7 +383,7 @@ class Profiler:
         counts, folded = bounded(parse_folded(out.decode("utf-8", "replace")), self.max_stacks)
         self.stats.folded_stacks += folded
         service = self.services.service_of(run.pid) if self.services is not None else ""
-        period = round(1e9 / self.rate_hz)
+        period = round(NS / self.rate_hz)
         return [ProfileStack(host=self.host, service=service, pid=run.pid, process=run.process,
                              start_unix_nano=run.start_ns, end_unix_nano=max(end_ns, run.start_ns + 1), frames=frames,
                              samples=n, kind=self.kind, period_ns=period) for frames, n in counts]

@@ -2,18 +2,14 @@
 
 The agent makes a handful of small gRPC calls a second (two or so in from the
 local model servers, two out to the collector). On such a light load most of
-gRPC's CPU goes to waking its EventEngine threads, not to the bytes: measured
-with ``benchmarks/agent_overhead.py`` at 1,000 spans/s, the EventEngine
-threads took 0.33 % of a core and the whole agent 1.03 %; with gRPC's
-poll-based transport (its long-standing default before EventEngine) they took
-0.07 % and the agent 0.83 %. So the agent asks for that transport, unless the
-operator already set ``GRPC_EXPERIMENTS`` (any value, even empty, is left
-alone). ``GRPC_VERBOSITY`` defaults to ``ERROR`` so gRPC's informational lines
-(a GOAWAY at shutdown) stay out of the journal.
+gRPC's CPU goes to waking its EventEngine threads, not to the bytes, and
+gRPC's poll-based transport has no such threads to wake. So the agent asks
+for that transport, unless the operator already set ``GRPC_EXPERIMENTS`` (any
+value, even empty, is left alone). ``GRPC_VERBOSITY`` defaults to ``ERROR`` so
+gRPC's informational lines (a GOAWAY at shutdown) stay out of the journal.
 
-The event loop is uvloop's (libuv) rather than asyncio's own: in the same
-benchmark the agent's event loop thread went from 0.50 % to 0.43 % of a core
-and the agent from 0.87 % to 0.77-0.83 %, for 2 MB more resident memory.
+The event loop is uvloop's (libuv) rather than asyncio's own: it spends less
+of the agent's CPU on each wake-up, for a little more resident memory.
 
 >>> env = {}
 >>> prefer_poll_transport(env)

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from spikehound.agent.dispatcher import Dispatcher
 from spikehound.agent.forwarder import REASONS
 from spikehound.agent.intake import Intake
-from spikehound.agent.members import Router
 from spikehound.agent.metrics_out import MetricsBridge
 from spikehound.agent.profiler import FAILURES, Profiler
 from spikehound.agent.samplers.cpu import LEFT_OUT_REASONS, CpuSampler
@@ -28,9 +28,9 @@ class AgentMetrics(Collector):
     """Totals over the collectors the agent forwards to keep the names they had with one collector; the
     ``collector``-labelled series and ``spikehound_agent_collector_members`` break them down."""
 
-    def __init__(self, intake: Intake, router: Router, sampling: SamplingLoop, bridge: MetricsBridge,
+    def __init__(self, intake: Intake, dispatcher: Dispatcher, sampling: SamplingLoop, bridge: MetricsBridge,
                  profiler: Profiler | None = None) -> None:
-        self.intake, self.router, self.sampling, self.bridge = intake, router, sampling, bridge
+        self.intake, self.dispatcher, self.sampling, self.bridge = intake, dispatcher, sampling, bridge
         self.profiler = profiler
 
     def collect(self) -> Iterator[Metric]:
@@ -58,7 +58,7 @@ class AgentMetrics(Collector):
         split = CounterMetricFamily("spikehound_agent_split_requests", "Requests cut into several because they were "
                                     "larger than the collector accepts (see spikehound_agent_forward_max_request_"
                                     "bytes).", labels=["signal"])
-        stats = self.router.stats()
+        stats = self.dispatcher.totals.stats()
         for signal, name in _SIGNALS.items():
             forwarded.add_metric([name], stats.forwarded[signal])
             requests.add_metric([name], stats.requests[signal])
@@ -75,7 +75,7 @@ class AgentMetrics(Collector):
             invalid.add_metric([protocol], n)
         yield invalid
         yield CounterMetricFamily("spikehound_agent_spilled_requests", "Requests written to the disk spool.",
-                                  value=self.router.spilled_items)
+                                  value=self.dispatcher.totals.spilled_items)
         yield CounterMetricFamily("spikehound_agent_forward_retries", "Failed forwarding attempts that will be "
                                   "retried.", value=stats.retries)
         failures = CounterMetricFamily("spikehound_agent_forward_failures", "Forwarding attempts that failed, by "
@@ -87,24 +87,24 @@ class AgentMetrics(Collector):
         yield failures
         yield GaugeMetricFamily("spikehound_agent_forward_stalled_seconds", "Seconds forwarding has failed without "
                                 "anything reaching the collector; 0 while it flows. The agent's log says why.",
-                                value=self.router.stalled_seconds)
+                                value=self.dispatcher.totals.stalled_seconds)
         yield GaugeMetricFamily("spikehound_agent_forward_max_request_bytes", "Largest request the agent sends: the "
                                 "collector's default limit, or the lower one it named when it refused a request.",
-                                value=self.router.max_request_bytes)
+                                value=self.dispatcher.max_request_bytes)
         yield GaugeMetricFamily("spikehound_agent_queue_memory_bytes", "Bytes waiting in the memory queues.",
-                                value=self.router.memory_used)
+                                value=self.dispatcher.totals.memory_used)
         yield GaugeMetricFamily("spikehound_agent_spool_bytes", "Bytes waiting in the disk spools.",
-                                value=self.router.spool_bytes)
+                                value=self.dispatcher.totals.spool_bytes)
         yield GaugeMetricFamily("spikehound_agent_spool_requests", "Requests waiting in the disk spools.",
-                                value=self.router.spool_requests)
+                                value=self.dispatcher.totals.spool_requests)
         yield CounterMetricFamily("spikehound_agent_spool_corrupt_records", "Damaged spool records skipped: a "
                                   "record failing its checksum, or a damaged stretch up to the next sound record.",
-                                  value=self.router.spool_total("corrupt_records"))
+                                  value=self.dispatcher.totals.spool_total("corrupt_records"))
         yield CounterMetricFamily("spikehound_agent_spool_skipped_bytes", "Bytes of damaged spool data skipped.",
-                                  value=self.router.spool_total("skipped_bytes"))
+                                  value=self.dispatcher.totals.spool_total("skipped_bytes"))
         yield CounterMetricFamily("spikehound_agent_spool_write_errors", "Appends to the disk spool that the disk "
                                   "refused (full, file too large); rolled back, the sender was told to retry.",
-                                  value=self.router.spool_total("write_errors"))
+                                  value=self.dispatcher.totals.spool_total("write_errors"))
         yield GaugeMetricFamily("spikehound_agent_collector_up", "1 when the last forward attempt to every "
                                 "collector succeeded.", value=1 if stats.connected else 0)
         yield from self._members()
@@ -138,7 +138,7 @@ class AgentMetrics(Collector):
         yield from (total, now)
 
     def _members(self) -> Iterator[Metric]:
-        r = self.router
+        r = self.dispatcher
         yield GaugeMetricFamily("spikehound_agent_collector_members", "Collectors traces are routed over now.",
                                 value=len(r.active))
         queued = GaugeMetricFamily("spikehound_agent_forward_queue_requests", "Requests queued (memory and spool) "
@@ -165,16 +165,17 @@ class AgentMetrics(Collector):
                                   value=r.membership_changes)
         yield CounterMetricFamily("spikehound_agent_membership_resolve_failures", "Lookups of the membership that "
                                   "failed or named no collector; the last good membership stood.",
-                                  value=r.resolve_failures)
+                                  value=r.membership.resolve_failures)
         yield CounterMetricFamily("spikehound_agent_membership_abandoned_lookups", "Lookups of the membership "
                                   "that gave no answer within 10 s and were abandoned (a hung DNS server or file "
-                                  "system); the next interval starts a fresh one.", value=r.abandoned_lookups)
+                                  "system); the next interval starts a fresh one.",
+                                  value=r.membership.abandoned_lookups)
         own = CounterMetricFamily("spikehound_agent_self_members", "Collectors left out of the membership because "
                                   "they are this agent itself, once per episode: address (one of its own OTLP "
                                   "listen addresses), loop (its own receiver got back what it forwarded there, "
                                   "through a name or a proxy).", labels=["reason"])
         for reason in ("address", "loop"):
-            own.add_metric([reason], r.self_members[reason])
+            own.add_metric([reason], r.membership.self_members[reason])
         yield own
         yield CounterMetricFamily("spikehound_agent_forward_loops", "Requests the agent's OTLP/gRPC receiver "
                                   "refused because they had already gone through this agent (its id in their "
@@ -184,14 +185,14 @@ class AgentMetrics(Collector):
         yield CounterMetricFamily("spikehound_agent_members_retired_early", "Departed collectors forgotten before "
                                   "their time because the agent held more than 512 members (the membership "
                                   "changing faster than they drain); what they held was routed over the current "
-                                  "members.", value=r.retired_early)
+                                  "members.", value=r.rerouter.retired_early)
         yield GaugeMetricFamily("spikehound_agent_route_sticky_traces", "Traces the sticky map keeps on their "
                                 "collector across a membership change.", value=len(r.sticky))
         yield CounterMetricFamily("spikehound_agent_route_sticky_evictions", "Traces forgotten by the sticky map "
                                   "before their time because it was full.", value=r.sticky.evictions)
         yield CounterMetricFamily("spikehound_agent_rerouted_requests", "Requests moved off a collector that left "
                                   "the membership and stopped answering, routed by trace over the current ones.",
-                                  value=r.rerouted_requests)
+                                  value=r.rerouter.rerouted_requests)
 
     def _profiler(self) -> Iterator[Metric]:
         p = self.profiler

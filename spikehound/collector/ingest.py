@@ -11,28 +11,22 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Self
 
-from spikehound.collector.ingest_queue import ByteBudget, IngestQueue, QueueFull
+from spikehound.collector.ingest_queue import ByteBudget, IngestQueue
 from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.storage_unavailable import StorageUnavailable
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.config import CollectorConfig
+from spikehound.export_outcome import Accepted, QueueFull
 from spikehound.otlp import Decoded, Limits
 from spikehound.text import printable
+from spikehound.units import NS
 
 log = logging.getLogger("spikehound.collector.ingest")
-NS = 1_000_000_000
 MAX_WRONG_CLOCK_SENDERS = 100  # senders counted by name; the rest together (a hostile peer may invent names)
 WRONG_CLOCK_LOG_SECONDS = 600.0
 _UNITS = {"metrics": "metric samples", "profiles": "profile samples"}  # what a signal's records are, in the logs
-
-
-@dataclass(slots=True, frozen=True)
-class Accepted:
-    rejected: int
-    message: str
 
 
 class InvalidPayload(Exception):
@@ -205,7 +199,7 @@ class Ingest:
         except StorageUnavailable as exc:
             raise Unavailable(str(exc), self.health.retry_after()) from None
         message = "; ".join(m for m in (decoded.error_message, self.truncation_note(decoded.truncated)) if m)
-        return Accepted(decoded.rejected, message)
+        return Accepted(decoded.rejected, message, decoded.accepted)
 
     def count_future(self, signal: str, service: str, host: str, count: int) -> None:
         """Count a sender's records dated beyond the clock, and say so once in a while, naming the sender."""

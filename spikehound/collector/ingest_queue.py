@@ -17,11 +17,8 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
+from spikehound.export_outcome import QueueFull
 from spikehound.model import MetricPoint, Span
-
-
-class QueueFull(Exception):
-    """No room for this request right now; the sender should retry after a pause."""
 
 
 @dataclass(slots=True)

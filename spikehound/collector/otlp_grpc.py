@@ -20,10 +20,11 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import ExportProfilesServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from spikehound.collector.ingest import Accepted, Admission, Ingest, InvalidPayload, Overloaded, Unavailable
+from spikehound.collector.ingest import Admission, Ingest, InvalidPayload, Overloaded, Unavailable
 from spikehound.collector.profiles_ingest import ProfileIngest
 from spikehound.collector.rest.auth import bearer_ok
 from spikehound.config import HostPort
+from spikehound.export_outcome import Accepted
 from spikehound.otlp import (
     Decoded,
     PayloadError,

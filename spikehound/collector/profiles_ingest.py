@@ -23,7 +23,6 @@ from typing import Any
 from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import ExportProfilesServiceRequest
 
 from spikehound.collector.ingest import (
-    Accepted,
     Admission,
     HeldUntilDone,
     Ingest,
@@ -32,6 +31,7 @@ from spikehound.collector.ingest import (
     Unavailable,
 )
 from spikehound.collector.storage_unavailable import StorageUnavailable
+from spikehound.export_outcome import Accepted
 from spikehound.model import ProfileStack
 from spikehound.otlp_profiles import (
     DecodedProfiles,
