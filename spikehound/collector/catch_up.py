@@ -106,7 +106,7 @@ def hold_where_the_data_is(detection: DetectionEngine) -> None:
 
 def close_held(detection: DetectionEngine, window_ns: int, step: Callable[[], None]) -> int:
     """The backlog has arrived: move the held watermark to where the data is, a window at a time, as live
-    traffic would have moved it, calling ``step`` (the engine's advance, its outcome kept) after each move;
+    traffic would have moved it, calling ``step`` (the detection engine's advance, its outcome kept) after each move;
     then release the hold. How many steps it took."""
     windows = detection.windows
     held, target = windows.hold, windows.data_watermark

@@ -145,7 +145,7 @@ class Collector:
         member: ClusterMember | None = None
         if cfg.cluster.enabled:
             # Each member stores its share and stamps its feed; the leader, whichever member holds the lock,
-            # detects over every member's feed and alone routes alerts and runs retention (docs/scale-out.md).
+            # detects over every member's feed and alone routes alerts and runs retention.
             name = cfg.cluster.member or default_member_name(c.otlp_grpc.port)
             member = ClusterMember(cfg.cluster, engine, name, lambda: self._links(self.api_port), health)
             self.leader = leader = DetectionLeader(cfg, engine, name, self.telemetry, alerting,

@@ -141,7 +141,7 @@ class DetectionDriver:
         self._open_windows = 0  # (stream, window) pairs not yet judged, as of the last step
 
     def stats(self) -> dict[str, int]:
-        """The engine's own figures now (the detector metrics read them when scraped, from any thread)."""
+        """The detection engine's own figures now (the detector metrics read them when scraped, from any thread)."""
         held = self.catch_up.active or self.detection.windows.hold is not None
         return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held)}
 
@@ -174,7 +174,7 @@ class DetectionDriver:
         return True
 
     def reset(self) -> None:
-        """A fresh engine and catch-up, nothing outgoing (a leader that stepped down; before a restore)."""
+        """A fresh detection engine and catch-up, nothing outgoing (a leader that stepped down; before a restore)."""
         self.detection = DetectionEngine(self.settings.detection)
         self.catch_up = CatchUp(self.settings.catch_up_seconds, clock=self.clock)
         self._outgoing = Detection()
@@ -204,7 +204,7 @@ class DetectionDriver:
         return spans
 
     def knows_open(self, stored_open: Sequence[str]) -> None:
-        """The spikes open now: the engine's and ``stored_open`` (ids found open in storage); a state of one
+        """The spikes open now: the detection engine's and ``stored_open`` (ids found open in storage); a state of one
         of them that is written next is an update, not an opening."""
         self.announcer.open_ids = {s.id for s in self.detection.open_spikes()} | set(stored_open)
 
@@ -273,7 +273,7 @@ class DetectionDriver:
         except Exception as exc:
             self.failures.count("detectors", "the detectors", exc)
             return Detection()
-        finally:  # counted here: /metrics must not walk the engine's dicts from another thread
+        finally:  # counted here: /metrics must not walk the detectors' dicts from another thread
             self._open_windows = self.detection.windows.open_windows
 
     # -- writing ---------------------------------------------------------------------------------
