@@ -45,9 +45,11 @@ class CommitDetection(Protocol):
     """Detection that rides on the pipeline's commits (a single collector's; ``local_detection.py``).
 
     Every call but ``committed`` and ``probe`` comes from the pipeline's one task on the event loop, one at a
-    time; those two run on the writer thread, between two commits. None may raise: a detector failure is
-    counted (``spikehound_detector_errors_total``), a failed checkpoint reported to ``StorageHealth.note``; an
-    exception would end the pipeline. A call may await the writer thread, never block the event loop.
+    time; those two run on the writer thread, between two commits. None but ``probe`` may raise: a detector
+    failure is counted (``spikehound_detector_errors_total``), a failed checkpoint reported to
+    ``StorageHealth.note``; an exception would end the pipeline (in ``committed``: fail a batch that is
+    stored). A call may await the writer thread, never block the event loop; ``committed`` holds up every
+    later commit while it runs.
     """
 
     async def start(self, flush: Flush) -> None:

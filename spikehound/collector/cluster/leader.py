@@ -1,13 +1,13 @@
 """The cluster's detection leader: one collector at a time runs the detectors over every member's data.
 
-Every member stores what its agents route to it and adds a row to its feed per commit
-(``storage/cluster.py``). The member that holds the leader's lock reads every member's feed after its cursors,
-merges the members' rows in the order the database received them, and feeds them through the same
-:class:`DetectionDriver` a single collector runs, so a cluster finds the spikes, streams and causes one collector
-fed the same data would. Its windows, spikes and checkpoints are written in transactions that first check that it still leads; its checkpoint holds
-the cursors, so a new leader continues where the last one checkpointed and reads again what came after: spike
-ids are deterministic and every write an upsert, so nothing is lost or written twice. Alerting routes and
-delivers on the leader only (the outbox is shared; notifications keep their idempotency keys).
+Every member stores what its agents route to it and adds a row to its feed per commit (``storage/cluster.py``).
+The member that holds the leader's lock reads every member's feed after its cursors, merges the members' rows in
+the order the database received them, and feeds them through the same :class:`DetectionDriver` a single collector
+runs, so a cluster finds the spikes, streams and causes one collector fed the same data would. Its windows,
+spikes and checkpoints are written in transactions that first check that it still leads; its checkpoint holds the
+cursors, so a new leader continues where the last one checkpointed and reads again what came after: spike ids are
+deterministic and every write an upsert, so nothing is lost or written twice. Alerting routes and delivers on the
+leader only (the outbox is shared; notifications keep their idempotency keys).
 
 Why not merge per-member summaries (sketches) instead: the detectors judge windows *and* request-by-request
 evidence (the sequential test), and attribute each slow request from its whole trace against the stream's
