@@ -103,7 +103,7 @@ def test_a_failing_detector_step_costs_that_step_is_counted_and_logged_once(capl
     def failing_add(spans: object, points: object) -> None:
         raise RuntimeError("a detector bug")
 
-    driver.detection.add = failing_add  # type: ignore[method-assign]
+    driver.detection.add = failing_add  # type: ignore[method-assign, assignment]
     caplog.set_level(logging.ERROR)
     driver.feed(batches[0], [])
     driver.feed(batches[1], [])

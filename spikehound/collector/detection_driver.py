@@ -210,7 +210,7 @@ class DetectionDriver:
 
     # -- feeding ---------------------------------------------------------------------------------
 
-    def feed(self, spans: list[Span], points: list[MetricPoint], *, replayed: bool = False) -> None:
+    def feed(self, spans: Sequence[Span], points: Sequence[MetricPoint], *, replayed: bool = False) -> None:
         """One commit's records: into the windows, then close what the watermark allows (kept for writing).
         ``replayed``: read back from storage after a restart, no sender's backlog (the catch-up ignores them)."""
         def add_and_advance() -> Detection:
