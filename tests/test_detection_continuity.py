@@ -118,8 +118,8 @@ class _Run:
         self.writer_thread = WriterThread()
         await self.writer_thread.start()
         self.pipeline, self.detection = single_collector_pipeline(
-            self.cfg, self.engine, self.queue, self.writer_thread, self.telemetry, StorageHealth(self.telemetry),
-            clock=lambda: self.now[0])
+            self.cfg, Writer(self.engine), self.queue, self.writer_thread, self.telemetry,
+            StorageHealth(self.telemetry), clock=lambda: self.now[0])
         await self.pipeline.start()
 
     async def send(self, batches: Sequence[list[Span]]) -> None:

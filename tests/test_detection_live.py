@@ -33,7 +33,7 @@ from spikehound.scenarios.traffic import Scenario
 from spikehound.storage import checkpoints
 from spikehound.storage.engine import make_engine
 from spikehound.storage.migrate import upgrade
-from spikehound.storage.writer import WriteBatch
+from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.spike_fields import spike_fields
 
 pytestmark = pytest.mark.slow
@@ -229,7 +229,7 @@ def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Pa
         telemetry = CollectorTelemetry()
         writer_thread = WriterThread()
         await writer_thread.start()
-        pipeline, _ = single_collector_pipeline(cfg, engine, queue, writer_thread, telemetry,
+        pipeline, _ = single_collector_pipeline(cfg, Writer(engine), queue, writer_thread, telemetry,
                                                 StorageHealth(telemetry), clock=lambda: now[0])
 
         def committed(_: WriteBatch) -> None:  # on the writer thread, right after each commit

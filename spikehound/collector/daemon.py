@@ -59,16 +59,17 @@ SWITCH_INTERVAL_SECONDS = 0.0005
 GC_THRESHOLDS = (50_000, 50, 100)
 
 
-def single_collector_pipeline(cfg: Config, engine: Engine, queue: IngestQueue, writer_thread: WriterThread,
+def single_collector_pipeline(cfg: Config, writer: Writer, queue: IngestQueue, writer_thread: WriterThread,
                               telemetry: CollectorTelemetry, health: StorageHealth, *,
                               clock: Callable[[], float] = time.monotonic) -> tuple[IngestPipeline, LocalDetection]:
     """The pipeline of a collector that detects over its own commits, with its detection and retention."""
+    engine = writer.engine
     driver = DetectionDriver(DriverSettings.from_config(cfg), telemetry, advance_while_held=False, clock=clock)
     detection = LocalDetection(driver, engine, writer_thread, health, telemetry, clock=clock)
     retention = RetentionSchedule(RetentionRunner(Retention(engine), telemetry, writer_thread), cfg, clock=clock)
     parts = PipelineParts(CommitHooks(on_failure=driver.failures.commit_hook_failed), detection, retention)
     pipeline = IngestPipeline(PipelineSettings.from_config(cfg.collector), queue,
-                              CommitPath(Writer(engine), writer_thread, health, telemetry), parts, clock=clock)
+                              CommitPath(writer, writer_thread, health, telemetry), parts, clock=clock)
     return pipeline, detection
 
 
@@ -159,10 +160,9 @@ class Collector:
             driver = leader.driver
             self.telemetry.registry.register(leader.metrics)
         else:
-            self.pipeline, self.detection = pipeline, _ = single_collector_pipeline(
-                cfg, engine, queue, writer_thread, self.telemetry, health)
-            self.retention = pipeline.parts.retention
-            driver = self.detection.driver
+            pipeline, detection = single_collector_pipeline(cfg, writer, queue, writer_thread, self.telemetry, health)
+            self.pipeline, self.detection, self.retention = pipeline, detection, pipeline.parts.retention
+            driver = detection.driver
         self.telemetry.registry.register(driver.metrics)
         driver.announcer.listeners.append(alerting.observe)
         install_exported_metrics(cfg, pipeline, self.telemetry, reader)
