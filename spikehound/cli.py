@@ -170,7 +170,7 @@ def cmd_spikes(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from spikehound.collector.detection import detection_settings
+    from spikehound.collector.detection_driver import detection_settings
     from spikehound.collector.replay import replay
     from spikehound.model_json import spike_json
     from spikehound.otlp_file import OtlpFileError

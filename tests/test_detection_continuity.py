@@ -16,9 +16,9 @@ from sqlalchemy import Engine, select
 from harness.daemons import collector_config
 from harness.scenarios.traffic import Scenario
 from spikehound.collector.alerts.routing import Router
+from spikehound.collector.daemon import single_collector_pipeline
 from spikehound.collector.ingest_queue import IngestQueue
-from spikehound.collector.pipeline import IngestPipeline
-from spikehound.collector.retention import RetentionRunner
+from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.config import AlertsConfig, ReceiverConfig, RouteConfig
@@ -29,7 +29,6 @@ from spikehound.model import MetricKind, MetricPoint, Span, Spike
 from spikehound.otlp import encode_spans
 from spikehound.storage import schema
 from spikehound.storage.reader import Reader
-from spikehound.storage.retention import Retention
 from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.alert_spikes import ended, spike
 
@@ -105,7 +104,8 @@ def test_metric_points_seen_twice_do_not_change_resource_detection():
 
 
 class _Run:
-    """An IngestPipeline over a real Writer and WriterThread, on a clock the test steps."""
+    """A single collector's pipeline and detection over a real Writer and WriterThread, on a clock the test
+    steps."""
 
     def __init__(self, engine: Engine, **settings: Any) -> None:
         self.cfg = collector_config("sqlite://", collector__idle_flush_seconds=3600, **settings)
@@ -117,9 +117,9 @@ class _Run:
         self.telemetry = CollectorTelemetry()
         self.writer_thread = WriterThread()
         await self.writer_thread.start()
-        retention = RetentionRunner(Retention(self.engine), self.telemetry, self.writer_thread)
-        self.pipeline = IngestPipeline(self.cfg, self.queue, Writer(self.engine), self.writer_thread, retention,
-                                       self.telemetry, clock=lambda: self.now[0])
+        self.pipeline, self.detection = single_collector_pipeline(
+            self.cfg, Writer(self.engine), self.queue, self.writer_thread, self.telemetry,
+            StorageHealth(self.telemetry), clock=lambda: self.now[0])
         await self.pipeline.start()
 
     async def send(self, batches: Sequence[list[Span]]) -> None:
@@ -175,12 +175,12 @@ def test_a_restart_after_sigkill_replays_what_was_committed_after_the_checkpoint
         await run.start()
         await run.send(batches[:saved_at])
         if saved_at:
-            await run.pipeline.checkpoint()
+            await run.detection.checkpoint(run.pipeline.flush)
         await run.send(batches[saved_at:killed_at])
         await run.kill()
         again = _Run(engine, collector__catch_up_seconds=0)
         await again.start()
-        assert again.pipeline.detector_stats()["duplicate_spans"] == 0
+        assert again.detection.driver.stats()["duplicate_spans"] == 0
         await again.send(batches[killed_at:])
         await again.stop()
 
@@ -211,7 +211,8 @@ def test_two_senders_backlogs_after_an_episode_are_judged_in_full(engine: Engine
     announced: dict[str, list[tuple[str, str]]] = {"in order": [], "after an episode": []}
 
     def listen(run: _Run, name: str) -> None:  # what alerting is told: every state, in order
-        run.pipeline.spike_listeners.append(lambda spikes: announced[name].extend((s.id, s.state) for s in spikes))
+        run.detection.driver.announcer.listeners.append(
+            lambda spikes: announced[name].extend((s.id, s.state) for s in spikes))
 
     async def in_order() -> None:
         run = _Run(engine)
@@ -227,14 +228,14 @@ def test_two_senders_backlogs_after_an_episode_are_judged_in_full(engine: Engine
         await run.send(before)
         run.pipeline.health.failed(OSError(errno.ENOSPC, "No space left on device"))  # a write failed: an outage
         await run.send(fast)  # the first attempt after it succeeds; one sender drains its whole backlog first,
-        assert run.pipeline.detector_stats()["catching_up"] == 1  # ... the other after it
+        assert run.detection.driver.stats()["catching_up"] == 1  # ... the other after it
         await run.send(slow)
-        assert run.pipeline.engine.windows.late_spans == 0
+        assert run.detection.driver.detection.windows.late_spans == 0
         run.now[0] += run.cfg.collector.catch_up_seconds  # nothing older arrives any more
         await run.pipeline._tick()
-        assert run.pipeline.detector_stats()["catching_up"] == 0
+        assert run.detection.driver.stats()["catching_up"] == 0
         await run.stop()
-        assert run.pipeline.engine.windows.late_spans == 0
+        assert run.detection.driver.detection.windows.late_spans == 0
 
     asyncio.run(in_order())
     expected = _stored(engine)

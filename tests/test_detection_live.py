@@ -24,16 +24,15 @@ from harness.scenario_io import scenario_requests, send, write_json_lines, write
 from harness.scenarios.traffic import Scenario
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
+from spikehound.collector.daemon import single_collector_pipeline
 from spikehound.collector.ingest_queue import IngestQueue
-from spikehound.collector.pipeline import IngestPipeline
-from spikehound.collector.retention import RetentionRunner
+from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.otlp import encode_spans
 from spikehound.storage import checkpoints
 from spikehound.storage.engine import make_engine
 from spikehound.storage.migrate import upgrade
-from spikehound.storage.retention import Retention
 from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.spike_fields import spike_fields
 
@@ -230,9 +229,8 @@ def test_the_detector_state_is_checkpointed_under_continuous_ingest(tmp_path: Pa
         telemetry = CollectorTelemetry()
         writer_thread = WriterThread()
         await writer_thread.start()
-        retention = RetentionRunner(Retention(engine), telemetry, writer_thread)
-        pipeline = IngestPipeline(cfg, queue, Writer(engine), writer_thread, retention, telemetry,
-                                  clock=lambda: now[0])
+        pipeline, _ = single_collector_pipeline(cfg, Writer(engine), queue, writer_thread, telemetry,
+                                                StorageHealth(telemetry), clock=lambda: now[0])
 
         def committed(_: WriteBatch) -> None:  # on the writer thread, right after each commit
             saved = telemetry.registry.get_sample_value("spikehound_detector_checkpoint_seconds_count") or 0

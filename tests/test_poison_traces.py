@@ -96,15 +96,16 @@ def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(quick
     """A bug the input sets off (injected here: the one fake) is counted and logged once; the sender is told
     its spans are stored, they are, and the next batch is detected as usual."""
     c = quick_collector
-    engine = c.collector.pipeline.engine
+    assert c.collector.detection is not None
+    detection = c.collector.detection.driver.detection
     calls = []
 
     def failing_add(spans, points):
         calls.append(len(spans))
         raise RuntimeError("a detector bug")
 
-    engine.add = failing_add
-    caplog.set_level(logging.ERROR, logger="spikehound.collector.pipeline")
+    detection.add = failing_add
+    caplog.set_level(logging.ERROR, logger="spikehound.collector.detection")
     first, second = os.urandom(16), os.urandom(16)
     for trace_id in (first, second):
         assert post(c, request(span(trace_id)).SerializeToString()).status_code == 200
@@ -115,7 +116,7 @@ def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(quick
     for trace_id in (first, second):
         assert len(get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]) == 1
 
-    del engine.add  # the bug is gone: the class's own add again
+    del detection.add  # the bug is gone: the class's own add again
     closed = c.metric("spikehound_latency_windows_closed_total")
     assert_still_serving(c)
     wait_for_windows(c, closed)
@@ -132,7 +133,7 @@ def test_a_failing_commit_hook_costs_its_own_figures_only(quick_collector: Colle
         raise ValueError("a metrics bug")
 
     c.collector.pipeline.commit_hooks.add(failing_hook)
-    caplog.set_level(logging.ERROR, logger="spikehound.collector.pipeline")
+    caplog.set_level(logging.ERROR, logger="spikehound.collector.detection")
     trace_id = os.urandom(16)
     assert post(c, request(span(trace_id)).SerializeToString()).status_code == 200
     assert len(get_json(f"{c.api}/api/v1/traces/{trace_id.hex()}")["spans"]) == 1

@@ -17,6 +17,7 @@ Live spans never count as backlog, however late an SDK exports them (its batch
 delay is 5 s by default), so a catch-up after a short outage ends about
 ``quiet_seconds`` after the last spooled span arrived.
 
+>>> from spikehound.units import NS
 >>> clock, wall = [0.0], [100 * NS]
 >>> c = CatchUp(quiet_seconds=15, clock=lambda: clock[0], wall_ns=lambda: wall[0])
 >>> c.begin(); c.active
@@ -37,9 +38,8 @@ from collections.abc import Callable, Sequence
 
 from spikehound.detectors.engine import DetectionEngine
 
-__all__ = ["MOST_SECONDS", "MOST_SPANS", "NO_DATA_YET", "NS", "CatchUp", "close_held", "hold_where_the_data_is"]
+__all__ = ["MOST_SECONDS", "MOST_SPANS", "NO_DATA_YET", "CatchUp", "close_held", "hold_where_the_data_is"]
 
-NS = 1_000_000_000
 NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
 MOST_SECONDS = 600.0  # a sender that never drains must not hold the windows for ever
 MOST_SPANS = 5_000_000  # spans arrived while held: at most about 1 GB of held window entries
@@ -96,19 +96,19 @@ class CatchUp:
         return False
 
 
-def hold_where_the_data_is(engine: DetectionEngine) -> None:
+def hold_where_the_data_is(detection: DetectionEngine) -> None:
     """Cap the windows' watermark where the data has brought it (if it is not capped already)."""
-    windows = engine.windows
+    windows = detection.windows
     if windows.hold is None:
         held = windows.data_watermark
-        engine.hold(held if held is not None else NO_DATA_YET)
+        detection.hold(held if held is not None else NO_DATA_YET)
 
 
-def close_held(engine: DetectionEngine, window_ns: int, step: Callable[[], None]) -> int:
+def close_held(detection: DetectionEngine, window_ns: int, step: Callable[[], None]) -> int:
     """The backlog has arrived: move the held watermark to where the data is, a window at a time, as live
-    traffic would have moved it, calling ``step`` (the engine's advance, its outcome kept) after each move;
+    traffic would have moved it, calling ``step`` (the detection engine's advance, its outcome kept) after each move;
     then release the hold. How many steps it took."""
-    windows = engine.windows
+    windows = detection.windows
     held, target = windows.hold, windows.data_watermark
     if held is None:
         return 0
@@ -118,9 +118,9 @@ def close_held(engine: DetectionEngine, window_ns: int, step: Callable[[], None]
         at = max(held, earliest)
         while at < target:
             at = min(at + window_ns, target)
-            engine.hold(at)
+            detection.hold(at)
             step()
             steps += 1
-    engine.hold(None)
+    detection.hold(None)
     step()
     return steps + 1

@@ -2,21 +2,33 @@
 
 They run on the writer thread right after the commit. The batch is on disk by
 then and its senders are owed their success: a hook that raises costs its own
-figures only. It is handed to ``on_failure`` (the pipeline counts and logs it),
-and never reaches the commit's caller, where it would read as a failed write
-and tell the senders to retry data that is stored.
+figures only. It is handed to ``on_failure`` (counted and logged, see
+``StepFailures``), and never reaches the commit's caller, where it would read
+as a failed write and tell the senders to retry data that is stored.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from spikehound.storage.writer import WriteBatch
 
 log = logging.getLogger("spikehound.collector.commit_hooks")
 
-CommitHook = Callable[[WriteBatch], None]
+
+class CommitHook(Protocol):
+    """Told of every batch the ingest pipeline committed (``SpanMetrics.add``, ``ResourceMetrics.add``).
+
+    Called on the writer thread, right after the commit and before the next one; the batch's senders wait for
+    it to return, and every later commit does too, so it must not block (no I/O, no lock the event loop holds)
+    and should take little time per record. It may raise: the exception is counted and the batch stays
+    committed and acknowledged, the next hook still runs. It must not change ``batch``; it may be a batch of
+    windows and spikes alone, with no spans or points.
+    """
+
+    def __call__(self, batch: WriteBatch, /) -> None: ...
 
 
 class CommitHooks:

@@ -1,4 +1,4 @@
-"""The collector daemon: wires storage, the ingest pipeline, the receivers and the API.
+"""The collector daemon: wires storage, the ingest pipeline, detection, retention, the receivers and the API.
 
 >>> from spikehound.config import load
 >>> c = Collector(load(env={}, flags={"storage.url": "sqlite:///:memory:"}))
@@ -24,16 +24,19 @@ from sqlalchemy.exc import OperationalError
 from spikehound.collector.alerts.alerting import Alerting, public_url
 from spikehound.collector.cluster.leader import DetectionLeader
 from spikehound.collector.cluster.member import ClusterMember, default_member_name
+from spikehound.collector.commit_hooks import CommitHooks
 from spikehound.collector.cross_site import Site
+from spikehound.collector.detection_driver import DetectionDriver, DriverSettings
 from spikehound.collector.exported_metrics import install_exported_metrics
 from spikehound.collector.ingest import Ingest
 from spikehound.collector.ingest_queue import IngestQueue
+from spikehound.collector.local_detection import LocalDetection
 from spikehound.collector.otlp_grpc import start_grpc
 from spikehound.collector.otlp_http import HttpReceiver
-from spikehound.collector.pipeline import IngestPipeline
+from spikehound.collector.pipeline import CommitPath, IngestPipeline, PipelineParts, PipelineSettings
 from spikehound.collector.profiles_ingest import ProfileIngest
 from spikehound.collector.rest.app import build_app
-from spikehound.collector.retention import RetentionRunner
+from spikehound.collector.retention import RetentionRunner, RetentionSchedule
 from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.tls import ServerTls, describe
@@ -56,6 +59,20 @@ SWITCH_INTERVAL_SECONDS = 0.0005
 GC_THRESHOLDS = (50_000, 50, 100)
 
 
+def single_collector_pipeline(cfg: Config, writer: Writer, queue: IngestQueue, writer_thread: WriterThread,
+                              telemetry: CollectorTelemetry, health: StorageHealth, *,
+                              clock: Callable[[], float] = time.monotonic) -> tuple[IngestPipeline, LocalDetection]:
+    """The pipeline of a collector that detects over its own commits, with its detection and retention."""
+    engine = writer.engine
+    driver = DetectionDriver(DriverSettings.from_config(cfg), telemetry, advance_while_held=False, clock=clock)
+    detection = LocalDetection(driver, engine, writer_thread, health, telemetry, clock=clock)
+    retention = RetentionSchedule(RetentionRunner(Retention(engine), telemetry, writer_thread), cfg, clock=clock)
+    parts = PipelineParts(CommitHooks(on_failure=driver.failures.commit_hook_failed), detection, retention)
+    pipeline = IngestPipeline(PipelineSettings.from_config(cfg.collector), queue,
+                              CommitPath(writer, writer_thread, health, telemetry), parts, clock=clock)
+    return pipeline, detection
+
+
 class Collector:
     """One collector process. Ports given as 0 are chosen by the OS; see ``*_port`` after start."""
 
@@ -72,7 +89,9 @@ class Collector:
         self._grpc: GrpcServer | None = None
         self._http: HttpServer | None = None
         self.pipeline: IngestPipeline | None = None
+        self.detection: LocalDetection | None = None  # a single collector's; None in a cluster
         self.leader: DetectionLeader | None = None  # in a cluster (cluster.enabled): this member's campaign to lead
+        self.retention: RetentionSchedule | None = None
         self.profiles: ProfileIngest | None = None  # the receivers' profiles path (tests reach its limits)
         self._listening = False
         self._reload_tasks: set[asyncio.Task[object]] = set()
@@ -120,7 +139,6 @@ class Collector:
         writer_thread = WriterThread()
         queue = IngestQueue(c.queue_capacity)
         self.telemetry.queue_capacity.set(c.queue_capacity)
-        retention = RetentionRunner(Retention(engine), self.telemetry, writer_thread)
         health = StorageHealth(self.telemetry)  # told by the pipeline's commits; asked by receivers and /readyz
         writer = Writer(engine)
         self.alerting = alerting = Alerting(cfg, engine, self.telemetry.registry, writer_thread,
@@ -128,21 +146,25 @@ class Collector:
         member: ClusterMember | None = None
         if cfg.cluster.enabled:
             # Each member stores its share and stamps its feed; the leader, whichever member holds the lock,
-            # detects over every member's feed and alone routes alerts and runs retention (docs/scale-out.md).
+            # detects over every member's feed and alone routes alerts and runs retention.
             name = cfg.cluster.member or default_member_name(c.otlp_grpc.port)
             member = ClusterMember(cfg.cluster, engine, name, lambda: self._links(self.api_port), health)
             self.leader = leader = DetectionLeader(cfg, engine, name, self.telemetry, alerting,
                                                    lambda: self._links(self.api_port))
-            leader.announcer.listeners.append(alerting.observe)
-        self.pipeline = pipeline = IngestPipeline(
-            cfg, queue, writer, writer_thread, retention, self.telemetry, health=health, member=member,
-            runs_retention=(lambda: self.leader is not None and self.leader.leading) if member else lambda: True)
-        if self.leader is not None:
-            self.telemetry.registry.register(self.leader.detector_metrics)
-            self.telemetry.registry.register(self.leader.metrics)
+            self.retention = RetentionSchedule(RetentionRunner(Retention(engine), self.telemetry, writer_thread),
+                                               cfg, lambda: leader.leading)
+            parts = PipelineParts(CommitHooks(on_failure=leader.driver.failures.commit_hook_failed),
+                                  retention=self.retention, member=member)
+            self.pipeline = pipeline = IngestPipeline(PipelineSettings.from_config(c), queue,
+                                                      CommitPath(writer, writer_thread, health, self.telemetry), parts)
+            driver = leader.driver
+            self.telemetry.registry.register(leader.metrics)
         else:
-            self.telemetry.registry.register(pipeline.detector_metrics)
-            pipeline.spike_listeners.append(alerting.observe)
+            pipeline, detection = single_collector_pipeline(cfg, writer, queue, writer_thread, self.telemetry, health)
+            self.pipeline, self.detection, self.retention = pipeline, detection, pipeline.parts.retention
+            driver = detection.driver
+        self.telemetry.registry.register(driver.metrics)
+        driver.announcer.listeners.append(alerting.observe)
         install_exported_metrics(cfg, pipeline, self.telemetry, reader)
         ingest = Ingest.configured(queue, self.telemetry, c, health)
         # Profiles skip the queue: each export is its own transaction on the writer thread (low volume).
@@ -231,9 +253,9 @@ class Collector:
                 log.error("TLS certificate not re-read, the running one stays: %s", exc)
         if self.alerting is not None and ALERT_KEYS.intersection(change.applied):
             self.alerting.reload(self.cfg)
-        if (self.pipeline is not None and RETENTION_KEYS.intersection(change.applied)
-                and self.pipeline.runs_retention()):  # in a cluster, the leader's
-            task = asyncio.create_task(self.pipeline.run_retention(), name="retention-after-reload")
+        if (self.retention is not None and RETENTION_KEYS.intersection(change.applied)
+                and self.retention.runs_here()):  # in a cluster, the leader's
+            task = asyncio.create_task(self.retention.run(), name="retention-after-reload")
             self._reload_tasks.add(task)
             task.add_done_callback(self._reload_tasks.discard)
 

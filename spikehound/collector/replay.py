@@ -38,7 +38,7 @@ class ReplayResult:
 
 def replay(paths: Sequence[str | os.PathLike[str]], settings: DetectionSettings | None = None) -> ReplayResult:
     """Run the recorded files through a fresh detection engine; raise OtlpFileError on an unreadable file."""
-    engine = DetectionEngine(settings or DetectionSettings())
+    detection = DetectionEngine(settings or DetectionSettings())
     result = ReplayResult()
     latest: dict[str, Spike] = {}
 
@@ -57,8 +57,8 @@ def replay(paths: Sequence[str | os.PathLike[str]], settings: DetectionSettings 
                 continue
             result.spans += len(decoded.spans)
             result.points += len(decoded.points)
-            engine.add(decoded.spans, decoded.points)
-            take(engine.advance())
-    take(engine.flush())
+            detection.add(decoded.spans, decoded.points)
+            take(detection.advance())
+    take(detection.flush())
     result.spikes = sorted(latest.values(), key=lambda s: (s.start_unix_nano, s.id), reverse=True)
     return result

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
-from spikehound.config import StorageConfig
+from spikehound.config import Config, StorageConfig
 from spikehound.storage.retention import Retention, RetentionPolicy, RetentionResult
 
 log = logging.getLogger("spikehound.collector.retention")
@@ -28,7 +29,7 @@ def policy_for(storage: StorageConfig) -> RetentionPolicy:
 
 
 class RetentionRunner:
-    """One collector's retention; ``run`` may be called from the pipeline's tick and from a reload."""
+    """One collector's retention runs; ``run`` is called by ``RetentionSchedule`` (and the two never overlap)."""
 
     def __init__(self, retention: Retention, telemetry: CollectorTelemetry, writer_thread: WriterThread) -> None:
         self.retention = retention
@@ -71,3 +72,35 @@ class RetentionRunner:
         if result.spans_over_size or result.points_over_size:
             log.info("retention deleted %d spans and %d metric points over the size caps", result.spans_over_size,
                      result.points_over_size)
+
+
+class RetentionSchedule:
+    """When this collector runs retention: every ``INTERVAL_SECONDS`` on the ingest pipeline's idle ticks and
+    after a reload that changes a cap, where ``runs_here`` says so (in a cluster, on the leader only); and once
+    per storage episode of a full disk on any collector, since where caps are set deletions free pages for new
+    rows. Used on the event loop only."""
+
+    INTERVAL_SECONDS = 300.0
+
+    def __init__(self, runner: RetentionRunner, cfg: Config, runs_here: Callable[[], bool] = lambda: True, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.cfg = cfg  # the running configuration: a reload changes its caps in place
+        self.runs_here = runs_here
+        self.clock = clock
+        self._next = clock() + self.INTERVAL_SECONDS
+        self._freed_for: float | None = None  # the start of the disk-full episode retention ran for
+
+    async def when_due(self) -> None:
+        if self.clock() >= self._next and self.runs_here():
+            self._next = self.clock() + self.INTERVAL_SECONDS
+            await self.run()
+
+    async def free_space(self, episode_since: float) -> None:
+        """The disk is full in the storage episode that began at ``episode_since``: run once in it."""
+        if self._freed_for != episode_since:
+            self._freed_for = episode_since
+            await self.run()
+
+    async def run(self) -> None:
+        await self.runner.run(self.cfg.storage)

@@ -1,17 +1,31 @@
 """What becomes of spike states once they are committed: a log line when a spike opens or ends, the spike
-counters, and the listeners (alerting). Shared by the pipeline (one collector) and a cluster's leader."""
+counters, and the listeners (alerting). The detection driver announces through it, for a single collector and
+a cluster's leader alike."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.detectors.engine import Detection
 from spikehound.model import Spike
 from spikehound.text import printable
 
-log = logging.getLogger("spikehound.collector.pipeline")
+log = logging.getLogger("spikehound.collector.detection")
+
+
+class SpikeListener(Protocol):
+    """Told of spike states once they are committed (alerting's ``observe``).
+
+    Called on the event loop, after the commit that wrote the states (a single collector's pipeline task, or
+    the leader's task), with every state in the order the detectors produced them: a spike that opened and
+    resolved between two commits comes as both. It must not block (it holds up ingest or the leader's next
+    step: anything slow goes to a task or a thread of its own) and should not raise; an exception is logged
+    with its traceback and the other listeners are still told, but the states are not told again.
+    """
+
+    def __call__(self, spikes: list[Spike], /) -> None: ...
 
 
 class SpikeAnnouncer:
@@ -19,8 +33,8 @@ class SpikeAnnouncer:
 
     def __init__(self, telemetry: CollectorTelemetry) -> None:
         self.telemetry = telemetry
-        # Called on the event loop with every spike state written (opened, updated, resolved).
-        self.listeners: list[Callable[[list[Spike]], None]] = []
+        # Called with every spike state written (opened, updated, resolved); see SpikeListener.
+        self.listeners: list[SpikeListener] = []
         self.open_ids: set[str] = set()
 
     def written(self, done: Detection) -> None:

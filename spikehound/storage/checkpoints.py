@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine, func, select
 from spikehound.storage import schema
 from spikehound.storage.writer import upsert
 
-__all__ = ["Checkpoint", "load", "position", "save", "save_on"]
+__all__ = ["Checkpoint", "latest_block_id", "load", "position", "save", "save_on"]
 
 
 class Checkpoint(NamedTuple):
@@ -39,11 +39,15 @@ class Checkpoint(NamedTuple):
 
 def position(engine: Engine) -> tuple[int, int]:
     """(highest span block id, latest metric point arrival second) committed now; 0 where there is none."""
-    b, p = schema.span_blocks, schema.metric_points
     with engine.connect() as conn:
-        block = conn.execute(select(func.max(b.c.id))).scalar()
-        second = conn.execute(select(func.max(p.c.ingested_at))).scalar()
-    return int(block or 0), int(second or 0)
+        block = latest_block_id(conn)
+        second = conn.execute(select(func.max(schema.metric_points.c.ingested_at))).scalar()
+    return block, int(second or 0)
+
+
+def latest_block_id(conn: Connection) -> int:
+    """The highest span block id committed (0: none), as ``conn``'s transaction sees it."""
+    return int(conn.execute(select(func.max(schema.span_blocks.c.id))).scalar() or 0)
 
 
 def save(engine: Engine, name: str, fmt: int, state: bytes, now_s: int | None = None) -> None:

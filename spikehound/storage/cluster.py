@@ -31,8 +31,8 @@ from spikehound.storage import schema
 
 __all__ = ["LEADER_LOCK", "FeedRow", "FeedStamp", "Member", "MemberNameInUse", "add_feed_row", "block_payloads",
            "claim_lead", "depose_silent_leader", "feed_members", "heartbeat", "join", "last_seq", "leader_present",
-           "load_cursors", "members", "pack_points", "pending_block_ids", "prune_members", "read_feed",
-           "release_lead", "save_cursors", "still_leading", "trim_feed", "try_lead", "unpack_points"]
+           "leader_session", "load_cursors", "members", "pack_points", "pending_block_ids", "prune_members",
+           "read_feed", "release_lead", "save_cursors", "still_leading", "trim_feed", "try_lead", "unpack_points"]
 
 LEADER_LOCK = 0x5350_4B48_0002  # the detection leader's advisory lock ("SPKH" 2)
 _DB_NOW_SQL = "(extract(epoch from clock_timestamp()) * 1000000000)::bigint"
@@ -237,6 +237,16 @@ def trim_feed(conn: Connection, cursors: Mapping[str, int]) -> int:
     for member, seq in sorted(cursors.items()):
         deleted += conn.execute(f.delete().where(f.c.member == member, f.c.seq <= seq)).rowcount or 0
     return deleted
+
+
+def leader_session(engine: Engine) -> Connection:
+    """A session to campaign and lead on. The server drops a leader it cannot reach within about 11 s (its lock
+    with it), so that a partitioned leader does not hold the cluster's detection for the kernel's two hours of
+    TCP keepalive."""
+    conn = engine.connect()
+    conn.execute(text("SET tcp_keepalives_idle = 5; SET tcp_keepalives_interval = 2; SET tcp_keepalives_count = 3"))
+    conn.commit()
+    return conn
 
 
 def try_lead(conn: Connection) -> bool:

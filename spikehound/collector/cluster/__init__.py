@@ -1,1 +1,1 @@
-"""Scale-out: collectors sharing one PostgreSQL, one of them the detection leader (docs/scale-out.md)."""
+"""Scale-out: collectors sharing one PostgreSQL, one of them the detection leader."""

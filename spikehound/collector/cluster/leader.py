@@ -1,19 +1,19 @@
 """The cluster's detection leader: one collector at a time runs the detectors over every member's data.
 
-Every member stores what its agents route to it and adds a row to its feed per commit
-(``storage/cluster.py``). The member that holds the leader's lock reads every member's feed after its cursors,
-merges the members' rows in event time, and feeds them to the same :class:`DetectionEngine` a single collector
+Every member stores what its agents route to it and adds a row to its feed per commit (``storage/cluster.py``).
+The member that holds the leader's lock reads every member's feed after its cursors, merges the members' rows in
+the order the database received them, and feeds them through the same :class:`DetectionDriver` a single collector
 runs, so a cluster finds the spikes, streams and causes one collector fed the same data would. Its windows,
-spikes and checkpoints are written in transactions that first check that it still leads; its checkpoint holds
-the cursors, so a new leader continues where the last one checkpointed and reads again what came after: spike
-ids are deterministic and every write an upsert, so nothing is lost or written twice. Alerting routes and
-delivers on the leader only (the outbox is shared; notifications keep their idempotency keys).
+spikes and checkpoints are written in transactions that first check that it still leads; its checkpoint holds the
+cursors, so a new leader continues where the last one checkpointed and reads again what came after: spike ids are
+deterministic and every write an upsert, so nothing is lost or written twice. Alerting routes and delivers on the
+leader only (the outbox is shared; notifications keep their idempotency keys).
 
 Why not merge per-member summaries (sketches) instead: the detectors judge windows *and* request-by-request
 evidence (the sequential test), and attribute each slow request from its whole trace against the stream's
 normal profile; a summary of a window cannot carry either, and a cluster would then find other spikes than
-one collector. What the leader pays instead is decoding and judging every span: see docs/scale-out.md for the
-measured cost and where it becomes the limit.
+one collector. What the leader pays instead is decoding and judging every span, which bounds how much traffic a
+cluster can judge.
 """
 
 from __future__ import annotations
@@ -30,29 +30,23 @@ from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import Connection, Engine
 
 from spikehound.collector.alerts.alerting import Alerting
-from spikehound.collector.catch_up import CatchUp, close_held, hold_where_the_data_is
-from spikehound.collector.detection import detection_settings
-from spikehound.collector.detector_metrics import DetectorMetrics
-from spikehound.collector.spike_announcer import SpikeAnnouncer
+from spikehound.collector.detection_driver import CHECKPOINT_NAME, DetectionDriver, DriverSettings
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.config import Config
-from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
+from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection
 from spikehound.model import MetricPoint, Span
 from spikehound.otlp import spans_of_block
-from spikehound.storage import checkpoints, cluster, schema
+from spikehound.storage import checkpoints, cluster
 from spikehound.storage.reader import Reader
 from spikehound.storage.writer import Writer
 
 log = logging.getLogger("spikehound.collector.cluster")
 
-CHECKPOINT_NAME = "detection"  # the same row a single collector keeps: a cluster continues from it
-NS = 1_000_000_000
 FEED_ROWS = 32  # feed rows read per member and poll
 POLL_SECONDS = 0.25
-REFILL_BLOCKS = 256
 PRUNE_MEMBERS_SECONDS = 86_400.0  # a member silent this long, with nothing left in the feed, is forgotten
 NO_LEADER_CHECK_SECONDS = 5.0  # a member that may not lead looks this often whether another does
 T = TypeVar("T")
@@ -77,7 +71,7 @@ class DetectionLeader:
     """A component: campaigns for the leader's lock from ``start`` to ``stop``; leads while it holds it.
 
     ``leading`` says whether it leads now (retention runs on the leader only). Its database work and the
-    detection engine run on one thread of its own, never on the event loop or the member's writer thread.
+    detection driver run on one thread of its own, never on the event loop or the member's writer thread.
     """
 
     name = "detection leader"
@@ -91,10 +85,9 @@ class DetectionLeader:
         self.alerting = alerting
         self.links = links
         self.clock = clock
-        self.settings = detection_settings(cfg)
-        self.detection = DetectionEngine(self.settings)
-        self.announcer = SpikeAnnouncer(telemetry)
-        self.detector_metrics = DetectorMetrics(self.detector_stats)
+        # Idle time moves event time on under a hold: a missing member holds the windows until it is gone.
+        self.driver = DetectionDriver(DriverSettings.from_config(cfg), telemetry, advance_while_held=True,
+                                      clock=clock)
         self.metrics = ClusterMetrics(self)
         self.writer = Writer(engine)
         self.reader = Reader(engine)
@@ -106,21 +99,15 @@ class DetectionLeader:
         self._cursors: dict[str, int] = {}  # per member: its last feed row fed to the detectors
         self._fetched: dict[str, int] = {}  # per member: its last feed row read
         self._waiting: dict[str, deque[_Row]] = {}
-        self._open_windows = 0
         # Members the windows wait for: heartbeats stopped, not yet gone (name -> since when, by clock()) ...
         self._missing: dict[str, float] = {}
         self._started: dict[str, int] = {}  # ... and each member's start, to see it restart
         self._gone: set[str] = set()  # missing past cluster.member_gone_seconds (said once)
-        self.catch_up = CatchUp(cfg.collector.catch_up_seconds, clock=clock)  # a returned member's backlog
-        self._last_input = clock()
+        self._last_spans = clock()  # when the feed last brought spans
         self._campaign_error: str | None = None  # the kind of the last failure, logged once while it repeats
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spikehound-leader")
-
-    def detector_stats(self) -> dict[str, int]:
-        held = self.detection.windows.hold is not None
-        return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held)}
 
     async def start(self) -> None:
         if not self.cfg.cluster.lead:
@@ -173,7 +160,7 @@ class DetectionLeader:
         while not self._stop.is_set():
             try:
                 if conn is None:
-                    conn = await self._run(self._connect)
+                    conn = await self._run(cluster.leader_session, self.engine)
                 if await self._run(cluster.try_lead, conn):
                     try:
                         previous = await self._run(cluster.claim_lead, conn, self.member)
@@ -213,30 +200,21 @@ class DetectionLeader:
                         "its database session): its session was ended, so that another collector leads",
                         deposed, timeout)
 
-    def _connect(self) -> Connection:
-        conn = self.engine.connect()
-        # The server drops a leader it cannot reach within about 11 s (its lock with it), so that a partitioned
-        # leader does not hold the cluster's detection for the kernel's two hours of TCP keepalive.
-        conn.execute(text("SET tcp_keepalives_idle = 5; SET tcp_keepalives_interval = 2; "
-                          "SET tcp_keepalives_count = 3"))
-        conn.commit()
-        return conn
-
     async def _lead(self, conn: Connection, previous: str | None) -> None:
         self.leading = True
         self.takeovers += 1
         started = time.perf_counter()
-        found = await self._run(self._take_over, conn, previous)
-        log.warning("%s leads detection now: continued from %s, %d streams, %d open spikes, in %.2f s",
-                    self.member, found, self.detection.stats()["judged_streams"],
-                    len(self.detection.open_spikes()), time.perf_counter() - started)
+        await self._run(self._take_over, conn, previous)
+        detection = self.driver.detection
+        log.warning("%s leads detection now: %d streams, %d open spikes, in %.2f s", self.member,
+                    detection.stats()["judged_streams"], len(detection.open_spikes()), time.perf_counter() - started)
         if self.alerting is not None and self.alerting.enabled:
             await self.alerting.lead(self.reader, self.links())
-        self._last_input = self.clock()
+        self._last_spans = self.clock()
         next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
         while not self._stop.is_set():
             fed, done = await self._run(self._step, conn)
-            self.announcer.written(done)
+            self.driver.written(done)
             if self.clock() >= next_checkpoint:
                 next_checkpoint = self.clock() + self.cfg.detection.checkpoint_seconds
                 await self._run(self._checkpoint, conn)
@@ -253,12 +231,12 @@ class DetectionLeader:
         self.leading = False
         if self.alerting is not None and self.alerting.enabled:
             await self.alerting.follow()
-        self.detection = DetectionEngine(self.settings)  # the next lead restores from storage
+        self.driver.reset()  # the next lead restores from storage
         self._waiting.clear()
 
     # -- on the leader's thread ------------------------------------------------------------------
 
-    def _take_over(self, conn: Connection, previous: str | None) -> str:
+    def _take_over(self, conn: Connection, previous: str | None) -> None:
         """Continue from the checkpoint and its cursors; refill the recent traces of the open windows.
 
         The previous leader (another member) is held missing until its heartbeats say otherwise: if it died,
@@ -267,94 +245,41 @@ class DetectionLeader:
         with conn.begin():
             found = checkpoints.load(conn, CHECKPOINT_NAME)
             cursors = cluster.load_cursors(conn)
-        engine = DetectionEngine(self.settings)
-        what = "no checkpoint yet (the detectors read every member's feed from its start)"
-        if found is not None and found.format == CHECKPOINT_FORMAT:
-            try:
-                engine = DetectionEngine.restore(self.settings, found.state)
-                what = "the checkpoint of " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at))
-            except Exception as exc:
-                what = f"nothing (the checkpoint cannot be continued: {exc.__class__.__name__}: {exc})"
-            latest = time.time_ns() + int(self.cfg.collector.max_clock_skew_seconds * NS)
-            engine.limit_event_time(latest)
-        elif found is not None:
-            what = f"nothing (the checkpoint has format {found.format}, this version writes {CHECKPOINT_FORMAT})"
-        self.detection = engine
+        restored = self.driver.restore(found)
         self._cursors, self._fetched, self._waiting = dict(cursors), dict(cursors), {}
         self._missing, self._started, self._gone = {}, {}, set()
-        self.catch_up = CatchUp(self.cfg.collector.catch_up_seconds, clock=self.clock)
         if previous is not None and previous != self.member:
             log.info("the windows wait for the previous leader %s's heartbeats: if it died, its agents hold its "
                      "share of the traffic", previous)
             self._missing[previous] = self.clock()
-            hold_where_the_data_is(engine)
-        self._refill(conn, found, cursors)
-        stored = self.reader.spikes(None, None, None, "open", 10_000)
+            self.driver.hold()
+        if restored and found is not None:
+            # Up to the checkpoint's position, but for the blocks the feed still holds after the cursors: the
+            # detectors are fed those, windows too.
+            with conn.begin():
+                pending = cluster.pending_block_ids(conn, cursors)
+            self.driver.refill_traces(self.reader, found, exclude=pending)
         # Open before the takeover: the replay of the feed finds them again (same ids), not as new spikes.
-        self.announcer.open_ids = {s.id for s in engine.open_spikes()} | {s.id for s in stored}
-        self._open_windows = engine.windows.open_windows
-        return what
-
-    def _refill(self, conn: Connection, found: checkpoints.Checkpoint | None, cursors: dict[str, int]) -> None:
-        """The recent traces of the windows open at the checkpoint (not part of it), into the trace buffer only:
-        the blocks up to the checkpoint's position, but for those the feed still holds after the cursors
-        (the detectors are fed those, windows too)."""
-        earliest = self.detection.windows.earliest_open_ns
-        if found is None or found.span_block_id is None or earliest is None:
-            return
-        with conn.begin():
-            pending = cluster.pending_block_ids(conn, cursors)
-        after: int | None = None
-        while True:
-            last, spans = self.reader.spans_ending_since(earliest - self.settings.window_ns, found.span_block_id,
-                                                         after, REFILL_BLOCKS, exclude=pending)
-            self.detection.traces.add(spans)
-            if last >= found.span_block_id or last == after:
-                break
-            after = last
+        self.driver.knows_open([s.id for s in self.reader.spikes(None, None, None, "open", 10_000)])
 
     def _step(self, conn: Connection) -> tuple[int, Detection]:
         """Feed what the members committed since the last step, close what the watermark allows, and write it;
         (feed rows fed, what was written).
 
         Each feed row is one commit of a member; they are fed one at a time in the order the database
-        received them, each followed by the engine's advance, as one collector feeds its own commits: a
-        cluster then counts the same spans late and closes the same windows one collector would.
+        received them, as one collector feeds its own commits: a cluster then counts the same spans late and
+        closes the same windows one collector would.
         """
         rows = self._read(conn)
-        engine = self.detection
-        done = Detection()
-
-        def keep(step: Detection) -> None:
-            done.windows.extend(step.windows)
-            done.spikes.extend(step.spikes)  # every state in order: opened and resolved in one step are both told
-            done.flags.extend(step.flags)
-
         for row in rows:
-            engine.add(row.spans, row.points)
-            if self.catch_up.active:
-                self.catch_up.arrived([sp.end_unix_nano for sp in row.spans], engine.windows.hold)
-            keep(engine.advance())
-        # Only spans move event time: agents' host metrics keep coming when span traffic stops (a quiet night,
-        # a dead service), and the last windows, with any spike open in them, must still close.
+            self.driver.feed(row.spans, row.points)
         spans = any(row.spans for row in rows)
         if spans:
-            self._last_input = self.clock()
-        if engine.windows.hold is not None and not self._missing and (
-                not self.catch_up.active or self.catch_up.done()):
-            steps = close_held(engine, self.settings.window_ns, lambda: keep(engine.advance()))
-            log.info("the windows wait for no member any more: those held were closed in %d step(s)", steps)
-        elif not spans and not any(self._waiting.values()):
-            c = self.cfg.collector
-            idle = self.clock() - self._last_input
-            if idle >= c.idle_flush_seconds:
-                advance = int((c.allowed_lateness_seconds + idle) * NS)
-                watermark = engine.windows.watermark
-                if watermark is not None:  # never past the clock plus the skew the receivers allow
-                    latest = time.time_ns() + int(c.max_clock_skew_seconds * NS)
-                    advance = max(min(advance, latest - watermark), 0)
-                keep(engine.advance(advance))
-        self._open_windows = engine.windows.open_windows
+            self._last_spans = self.clock()
+        # The windows wait for a missing member; input is busy while rows wait for another member's read.
+        self.driver.step(self.clock() - self._last_spans, source_waits=bool(self._missing),
+                         busy=spans or any(self._waiting.values()))
+        done = self.driver.take_outgoing()
         if done.windows or done.spikes:
             with conn.begin():
                 self._fence(conn)
@@ -393,10 +318,10 @@ class DetectionLeader:
                 self._missing.pop(m.member, None)
                 if restarted or m.member in self._gone or away > self.cfg.collector.allowed_lateness_seconds:
                     log.info("member %s is back: the windows wait for its agents' backlogs", m.member)
-                    self.catch_up.begin()
+                    self.driver.begin_catch_up()
                 self._gone.discard(m.member)
-        if self._missing or self.catch_up.active:
-            hold_where_the_data_is(self.detection)
+        if self._missing or self.driver.catch_up.active:
+            self.driver.hold()
 
     def _read(self, conn: Connection) -> list[_Row]:
         """The members' new feed rows, decoded, in the order the database received them; cursors move past them.
@@ -432,11 +357,11 @@ class DetectionLeader:
 
     def _checkpoint(self, conn: Connection) -> None:
         """The detectors' state and the cursors, in one transaction; then the feed rows they consumed go."""
-        state = self.detection.snapshot()
+        state = self.driver.snapshot()
         with conn.begin():
             self._fence(conn)
-            block = conn.execute(select(func.max(schema.span_blocks.c.id))).scalar()
-            checkpoints.save_on(conn, CHECKPOINT_NAME, CHECKPOINT_FORMAT, state, int(block or 0), None)
+            checkpoints.save_on(conn, CHECKPOINT_NAME, CHECKPOINT_FORMAT, state, checkpoints.latest_block_id(conn),
+                                None)
             cluster.save_cursors(conn, self._cursors)
         with conn.begin():
             cluster.trim_feed(conn, self._cursors)
