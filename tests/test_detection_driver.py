@@ -10,11 +10,11 @@ import time
 import pytest
 
 from harness.daemons import collector_config
+from harness.scenarios.traffic import Scenario
 from spikehound.collector.detection_driver import DetectionDriver, DriverSettings
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.detectors.engine import Detection
 from spikehound.model import Span
-from spikehound.scenarios.traffic import Scenario
 from spikehound.units import NS
 
 

@@ -5,4 +5,4 @@ The CLI starts it (``daemon``), builds its detection settings (``detection``), r
 the detectors (``replay``) and prints spike pages' addresses (``web``); the rest is the collector's own.
 """
 
-__all__ = ["daemon", "detection", "replay", "web"]
+__all__ = ["daemon", "detection_driver", "replay", "web"]
