@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,17 +33,45 @@ class StartError(RuntimeError):
     """A child process did not come up; the message names it and ends with its log."""
 
 
+# The demo's own ports lie below both the kernel's ephemeral range (where an outgoing connection's local port,
+# or any listener on port 0, may take a port between its pick and its bind) and the test harness's ports.
+DEMO_PORTS = range(10000, 12000)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(preferred: int | None = None) -> int:
-    """``preferred`` when nothing listens on it, else a port the OS picks."""
-    for port in ((preferred,) if preferred else ()) + (0,):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port")
+    """``preferred`` when nothing listens on it, else a free port of ``DEMO_PORTS`` this process has not handed
+    out (a port the OS picks when none is left, or the kernel hands those out itself)."""
+    if preferred and _bindable(preferred):
+        return preferred
+    ephemeral = _ephemeral_range()
+    candidates = [p for p in DEMO_PORTS if p not in _handed_out and p not in ephemeral]
+    random.shuffle(candidates)
+    for port in candidates:
+        if _bindable(port):
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 10) -> Any:
