@@ -460,7 +460,7 @@ HTTP_SENDER = textwrap.dedent("""\
 
 def test_the_agent_learns_which_service_a_process_serves_from_its_grpc_and_http_connections(tmp_path, queue):
     services = ServiceMap()
-    intake = Intake(Enricher({"host.name": "gpu-1"}, on_resource=services.learn_resource), queue, services=services)
+    intake = Intake(Enricher({"host.name": "gpu-1"}), queue, services=services)
 
     async def scenario() -> tuple[dict[int, str], int]:
         from aiohttp import web
@@ -530,15 +530,14 @@ def span_request(service: str, pid: object) -> bytes:
 def test_a_process_pid_no_int_takes_never_refuses_the_senders_spans(queue, monkeypatch):
     # "²" passed str.isdigit() and made int() raise in the enricher: every span request of the sender failed.
     services = ServiceMap()
-    intake = Intake(Enricher({"host.name": "h"}, on_resource=services.learn_resource), queue, services=services)
+    intake = Intake(Enricher({"host.name": "h"}), queue, services=services)
     for n in range(2):
         assert intake.accept(Signal.TRACES, span_request("svc", "\u00b2"), "grpc",
                              peer=f"ipv4:127.0.0.1:{40000 + n}").kept == 1
     # A bug anywhere in learning a service is counted, and the spans are taken all the same.
     monkeypatch.setattr(services, "note_peer", lambda *a: 1 / 0)
-    monkeypatch.setattr(services, "_claim", lambda *a: 1 / 0)
     assert intake.accept(Signal.TRACES, span_request("svc2", 7), "grpc", peer="ipv4:127.0.0.1:40009").kept == 1
-    assert services.errors == 2 and len(queued(queue)) == 3
+    assert services.errors == 1 and len(queued(queue)) == 3
 
 
 class SocketTable:
@@ -567,10 +566,9 @@ def test_the_socket_table_wins_over_a_pid_the_resource_claims():
     run_loop(services.refresh())
     assert (services.service_of(sender), services.service_of(other), services.service_of(1)) == ("evil", "real", "")
     assert services.refuted_claims == 1
-    # Later claims, by connection or without one, neither override the kernel's word nor revive a refuted pid.
-    services.learn_resource(pid_resource("forged", other))
-    services.learn_resource(pid_resource("forged", 1))
+    # Later claims neither override the kernel's word nor revive a refuted pid.
     services.note_peer("unix:/run/otlp.sock", "forged", other)
+    services.note_peer("unix:/run/otlp-2.sock", "forged", 1)
     assert (services.service_of(other), services.service_of(1)) == ("real", "")
 
 
@@ -592,9 +590,9 @@ def test_a_claimed_pid_is_used_only_where_the_socket_table_cannot_say():
     for _ in range(RESOLVE_TRIES):
         run_loop(readable.refresh(force=True))
     assert readable.service_of(here) == "" and readable.pending == 0
-    # A resource that came by no connection at all: its claim, if the pid is on the host.
-    readable.learn_resource(pid_resource("tokenizer", here))
-    readable.learn_resource(pid_resource("ghost", 6003))
+    # A connection with no address to look up (a unix socket): its claim, if the pid is on the host.
+    readable.note_peer("unix:/run/tokenizer.sock", "tokenizer", here)
+    readable.note_peer("unix:/run/ghost.sock", "ghost", 6003)
     assert readable.service_of(here) == "tokenizer" and readable.service_of(6003) == ""
     readable.learn(here, "from-a-connection")  # then the socket table names it: the kernel's word wins
     assert readable.service_of(here) == "from-a-connection"

@@ -16,10 +16,10 @@ So:
   service, and no resource's claim ever overrides it (nor is a pid the kernel mapped given to a claimant);
 * a connection the socket table names as one pid while its resource claims another: the claim is refuted,
   and that claimed pid is given no service by any later claim either;
-* a claimed pid is used only where the socket table cannot say: it could not be read (no permission), the
-  connection is no TCP address (a unix socket) or a resource came without any connection
-  (``learn_resource``); and only a pid in range that exists on the host. A TCP connection the table was read
-  for and did not show (closed before the read, or from another host) leaves its claim unused;
+* a claimed pid is used only where the socket table cannot say: it could not be read (no permission), or the
+  connection is no TCP address (a unix socket); and only a pid in range that exists on the host. A TCP
+  connection the table was read for and did not show (closed before the read, or from another host) leaves
+  its claim unused;
 * ``process.pid`` is read as an int attribute or a string of ASCII digits, 1..``kernel.pid_max``; anything
   else is no claim. Nothing here raises into the span path: a failure is counted (``errors``) and logged once.
 
@@ -180,16 +180,6 @@ class ServiceMap:
             self._warned_error = True
             log.warning("learning which process sends which service failed (%s); the spans are taken all the same",
                         what, exc_info=exc)
-
-    def learn_resource(self, resource: Resource) -> None:
-        """A resource that came by no connection the socket table could name: its claimed pid, if on the host.
-
-        Never raises (the enricher calls it on a span request's path).
-        """
-        try:
-            self._claim(claimed_pid(resource), resource_service(resource))
-        except Exception as exc:
-            self.failed("a resource", exc)
 
     def knows_peer(self, peer: Hashable) -> bool:
         """Whether this connection was seen before: the one check made on every request."""
