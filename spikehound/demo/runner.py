@@ -199,7 +199,10 @@ def run_demo(rate: float = 20.0, warmup: float = 40.0, fault_seconds: float = 15
         load.start()
         watch = SpikeWatch(stack.api, since=time.time() - 60)
         injections: list[Injection] = []
-        _run_phase(con, stack, receiver, watch, load, warmup, "warm-up: learning normal traffic")
+        # A fault goes into a calm stack only: a spike the host's own load opened in the warm-up (a noisy
+        # neighbour, a busy machine) must end first, or the first fault would be folded into it.
+        _run_phase(con, stack, receiver, watch, load, warmup, "warm-up: learning normal traffic",
+                   until=watch.all_resolved, max_extra=RECOVERY_GRACE_S)
         for n, fault in enumerate(chosen, 1):
             stack.set_fault(fault, True)
             injection = Injection(fault, on=time.time())
