@@ -24,6 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
 	$(BIN)/python -m benchmarks.ingest
 	$(BIN)/python -m benchmarks.ingest --compare hop-streams --pairs 3
 	$(BIN)/python -m benchmarks.scale_out
@@ -37,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.profile_diff
 	$(BIN)/python -m benchmarks.fuzz
 	$(BIN)/python -m benchmarks.api_fuzz
+	$(BIN)/python -m benchmarks.soak
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

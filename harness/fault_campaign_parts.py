@@ -7,6 +7,7 @@
 * :class:`PacedSender`: one thread that posts its host's requests to one agent's OTLP/HTTP receiver at
   real-time pace (second ``i`` of event time once ``i + 1`` wall seconds have passed since the start),
   retrying what is refused, and records every span the agent acknowledged.
+* :func:`post_until_acked`: one export request posted until the agent takes it (the soak's sender uses it too).
 * :func:`notifications`: what a :class:`harness.webhook_receiver.WebhookReceiver` was sent, per alert.
 * :func:`served_once`: every acknowledged span checked against ``GET /api/v1/traces/{id}``.
 * :func:`spike_summary`, :func:`compare_spikes`: what is compared between a faulted and a fault-free run:
@@ -132,29 +133,49 @@ class PacedSender(threading.Thread):
             self.error = exc
 
     def _post(self, session: requests.Session, body: bytes, keys: list[SpanKey]) -> None:
-        while not self.stop_event.is_set():
-            try:
-                r = session.post(f"{self.endpoint}/v1/traces", data=body, headers=PROTOBUF, timeout=30)
-            except requests.RequestException:
-                self.retries += 1
-                time.sleep(0.5)
-                continue
-            if r.status_code == 200:
-                rejected = 0
-                if r.content:
-                    rejected = ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans
-                self.rejected += rejected
-                if not rejected:  # which ones were rejected is not said: count none of this request as acked
-                    self.acked.extend(keys)
-                return
-            if r.status_code not in (429, 502, 503, 504):
-                raise RuntimeError(f"agent {self.endpoint} answered {r.status_code}: {r.text[:300]}")
-            self.retries += 1
-            try:
-                delay = float(r.headers.get("Retry-After", "0.5"))
-            except ValueError:
-                delay = 0.5
-            time.sleep(min(max(delay, 0.1), 5.0))
+        outcome = post_until_acked(session, self.endpoint, body, self.stop_event)
+        if outcome is None:
+            return
+        self.retries += outcome.retries
+        self.rejected += outcome.rejected
+        if not outcome.rejected:  # which ones were rejected is not said: count none of this request as acked
+            self.acked.extend(keys)
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """An export request the agent answered 200 to: after how many retries, with how many spans rejected."""
+
+    retries: int
+    rejected: int
+
+
+def post_until_acked(session: requests.Session, endpoint: str, body: bytes, stop: threading.Event | Any
+                     ) -> Acked | None:
+    """POST ``body`` to ``endpoint``'s ``/v1/traces`` until it answers 200 (after ``Retry-After`` or half a
+    second when refused or unreachable); None when ``stop`` was set first. Any other answer raises."""
+    retries = 0
+    while not stop.is_set():
+        try:
+            r = session.post(f"{endpoint}/v1/traces", data=body, headers=PROTOBUF, timeout=30)
+        except requests.RequestException:
+            retries += 1
+            time.sleep(0.5)
+            continue
+        if r.status_code == 200:
+            rejected = 0
+            if r.content:
+                rejected = ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans
+            return Acked(retries, rejected)
+        if r.status_code not in (429, 502, 503, 504):
+            raise RuntimeError(f"agent {endpoint} answered {r.status_code}: {r.text[:300]}")
+        retries += 1
+        try:
+            delay = float(r.headers.get("Retry-After", "0.5"))
+        except ValueError:
+            delay = 0.5
+        time.sleep(min(max(delay, 0.1), 5.0))
+    return None
 
 
 def notifications(hook: WebhookReceiver) -> set[tuple[str, str, str]]:

@@ -92,7 +92,7 @@ class StorageConfig:
 
     # SQLAlchemy URL; empty means SQLite file spikehound.db in data_dir.
     url: str = ""
-    # Raw spans older than this (by arrival) are deleted; window aggregates are kept.
+    # Raw spans older than this (by arrival) are deleted (window_retention_days keeps the windows longer).
     span_retention_hours: float = 72.0
     # Metric samples older than this (by arrival) are deleted.
     metric_retention_hours: float = 168.0
@@ -105,6 +105,9 @@ class StorageConfig:
     metric_retention_max_points: int = 200_000_000
     # Sampling-profile rows (one per process, window and stack) kept at most; they also go with the spans' age.
     profile_retention_max_rows: int = 20_000_000
+    # Latency windows (the charts of the API and the spike pages) older than this, counted back from the newest
+    # window stored (event time), are deleted; spikes and causes are kept. 0 means kept for ever.
+    window_retention_days: float = 30.0
 
 
 @dataclass(slots=True)
@@ -592,7 +595,8 @@ def _check(cfg: Config, sources: typing.Mapping[str, str]) -> None:
                        "detection.min_abs_rise_ms": cfg.detection.min_abs_rise_ms,
                        "storage.span_retention_max_bytes": cfg.storage.span_retention_max_bytes,
                        "storage.metric_retention_max_points": cfg.storage.metric_retention_max_points,
-                       "storage.profile_retention_max_rows": cfg.storage.profile_retention_max_rows}.items():
+                       "storage.profile_retention_max_rows": cfg.storage.profile_retention_max_rows,
+                       "storage.window_retention_days": cfg.storage.window_retention_days}.items():
         if value < 0:
             raise ConfigError(f"{named(key)}: must not be negative, got {value}")
     if not c.api.is_loopback and not c.api_token:

@@ -13,8 +13,9 @@ from harness.daemons import collector_config
 from harness.scenarios.traffic import Scenario
 from spikehound.collector.detection_driver import DetectionDriver, DriverSettings
 from spikehound.collector.telemetry import CollectorTelemetry
-from spikehound.detectors.engine import Detection
+from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection
 from spikehound.model import Span
+from spikehound.storage.checkpoints import Checkpoint
 from spikehound.units import NS
 
 
@@ -81,6 +82,50 @@ def test_the_hold_is_let_go_once_the_backlog_arrived_and_the_windows_close_a_win
     assert len(driver.outgoing.windows) > closed
     starts = sorted({w.start_unix_nano for w in driver.outgoing.windows})
     assert len(starts) > 1, "closed a window at a time, as live traffic would have"
+
+
+def test_senders_far_behind_the_clock_hold_the_windows_for_their_backlog_only():
+    """Every sender replays a recording (or their clocks are behind): the scenario's event time is months before
+    this clock. After an episode their live data is not backlog; what one of them spooled still is."""
+    now = [0.0]
+    driver = _driver(now=now, collector__idle_flush_seconds=3600)
+    batches = _batches(3)
+    spooled = [spans for i, spans in enumerate(batches[:60]) if i >= 50 and i % 2]  # a slower sender's
+    for i, spans in enumerate(batches[:60]):
+        if not (i >= 50 and i % 2):
+            driver.feed(spans, [])
+    driver.begin_catch_up()
+    live = iter(batches[60:])
+    now[0] = 10.0
+    driver.feed(next(live), [])
+    for spans in spooled:  # backlog: ended before the data seen before the episode
+        driver.feed(spans, [])
+    now[0] = 20.0
+    driver.feed(next(live), [])
+    assert driver.release_if_caught_up() is False, "the spool arrived 10 s ago"
+    now[0] = 25.5
+    driver.feed(next(live), [])  # live data keeps coming: it does not hold the windows
+    assert driver.release_if_caught_up() is True
+    assert driver.detection.windows.hold is None
+
+
+def test_after_a_restart_the_lag_comes_from_the_checkpoint():
+    """Restarted from a checkpoint saved while the data trailed the clock by months: live data is no backlog."""
+    now = [0.0]
+    before = _driver(now=now, collector__idle_flush_seconds=3600)
+    batches = _batches(2)
+    for spans in batches[:60]:
+        before.feed(spans, [])
+    saved = Checkpoint(format=CHECKPOINT_FORMAT, state=before.detection.snapshot(), saved_at=int(time.time()),
+                       span_block_id=None, points_ingested_at=0)
+    driver = _driver(now=now, collector__idle_flush_seconds=3600)
+    assert driver.restore(saved)
+    driver.begin_catch_up()
+    now[0] = 10.0
+    for spans in batches[65:75]:  # the senders' live data, arriving 10 s into the catch-up
+        driver.feed(spans, [])
+    now[0] = 15.0
+    assert driver.release_if_caught_up() is True
 
 
 def test_what_a_failed_write_held_goes_out_first_with_the_next():

@@ -171,3 +171,20 @@ def test_a_measure_reads_only_rows_not_counted_yet(engine, now_offset):
     with engine.begin() as conn:
         conn.execute(span_blocks.delete())
     assert r.measure(NOW_S + now_offset) == first
+
+
+def test_latency_windows_go_by_their_age_from_the_newest_window_and_spikes_stay(engine):
+    """A window row per stream and 10 s grows for ever without a cap. They have no arrival time: the age counts
+    back from the newest window stored, so that windows of a capture replayed today are not taken for old."""
+    old_start = T0 - 40 * DAY_S * S  # a month and more before the newest window
+    writer = Writer(engine)
+    writer.write(WriteBatch(windows=[window(old_start + i * 10 * S, 200) for i in range(6)]
+                 + [window(T0 + i * 10 * S, 200) for i in range(3)], spikes=list(SPIKES)), now_ns=NOW)
+    r = Retention(engine)
+    policy = RetentionPolicy(span_max_age_s=DAY_S, point_max_age_s=DAY_S, window_max_age_s=30 * DAY_S)
+
+    assert r.enforce(policy, NOW_S).windows == 6
+    starts = [w.start_unix_nano for w in Reader(engine).latency("gateway", "POST /predict", 0, FOREVER)]
+    assert starts == [T0 + i * 10 * S for i in range(3)]
+    assert len(Reader(engine).spikes(None, None, None, None, 100)) == len(SPIKES)
+    assert r.enforce(dataclasses.replace(policy, window_max_age_s=0), NOW_S).windows == 0  # 0: kept for ever

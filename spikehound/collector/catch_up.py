@@ -16,6 +16,12 @@ a window at a time, as live traffic would have closed them.
 Live spans never count as backlog, however late an SDK exports them (its batch
 delay is 5 s by default), so a catch-up after a short outage ends about
 ``quiet_seconds`` after the last spooled span arrived.
+"Before the catch-up began" is read on the senders' clock: the data's newest end
+times trailed the collector's clock by some lag before the episode (a second or
+two when senders are live; hours when all of them replay a recording or their
+clocks are behind), and ``begin`` is told that lag, so that live data after the
+episode is never taken for backlog: else the windows would stay held for
+``most_seconds`` after every restart of such a collector.
 
 >>> from spikehound.units import NS
 >>> clock, wall = [0.0], [100 * NS]
@@ -28,6 +34,10 @@ True
 False
 >>> c.arrived([110 * NS, 20 * NS], held_ns=80 * NS)  # live, however late it came; and one late anyway
 >>> clock[0] = 15.0; c.done()
+True
+>>> wall[0] = 5000 * NS; c.begin(lag_ns=3600 * NS)  # every sender replays an hour behind the clock
+>>> clock[0] = 20.0; c.arrived([1405 * NS], held_ns=1300 * NS)  # their live data: not backlog
+>>> clock[0] = 30.0; c.done()
 True
 """
 
@@ -62,8 +72,9 @@ class CatchUp:
         self._began_ns = 0  # spans that ended before this are backlog
         self._last_backlog = 0.0
 
-    def begin(self) -> None:
-        """Start (or restart) a catch-up: storage is back, or the collector started from a checkpoint."""
+    def begin(self, lag_ns: int = 0) -> None:
+        """Start (or restart) a catch-up: storage is back, or the collector started from a checkpoint.
+        ``lag_ns``: how far the newest data trailed the clock before the episode (see the module)."""
         if self.quiet_seconds <= 0:
             return
         now = self.clock()
@@ -72,7 +83,7 @@ class CatchUp:
             self.held_spans = 0
             self.episodes += 1
         self.active = True
-        self._began_ns = self.wall_ns()
+        self._began_ns = self.wall_ns() - max(lag_ns, 0)
         self._last_backlog = now
 
     def arrived(self, ends_ns: Sequence[int], held_ns: int | None) -> None:

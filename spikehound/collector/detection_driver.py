@@ -139,6 +139,7 @@ class DetectionDriver:
         self.failures = StepFailures(self.metrics.errors)
         self._outgoing = Detection()  # windows and spikes produced and not yet handed out to be written
         self._open_windows = 0  # (stream, window) pairs not yet judged, as of the last step
+        self._data_lag_ns = 0  # how far the newest live data trailed the clock, as of the last feed (CatchUp.begin)
 
     def stats(self) -> dict[str, int]:
         """The detection engine's own figures now (the detector metrics read them when scraped, from any thread)."""
@@ -171,6 +172,7 @@ class DetectionDriver:
                  time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.saved_at)),
                  self.detection.stats()["judged_streams"], len(self.detection.open_spikes()))
         self._open_windows = self.detection.windows.open_windows
+        self._data_lag_ns = self._lag_behind(found.saved_at * NS)
         return True
 
     def reset(self) -> None:
@@ -218,8 +220,12 @@ class DetectionDriver:
             return self.detection.advance()
 
         self.keep(self.guarded(add_and_advance))
-        if self.catch_up.active and spans and not replayed:
+        if replayed or not spans:
+            return
+        if self.catch_up.active:
             self.catch_up.arrived([s.end_unix_nano for s in spans], self.detection.windows.hold)
+        else:
+            self._data_lag_ns = self._lag_behind(time.time_ns())
 
     def step(self, idle_seconds: float, *, source_waits: bool = False, busy: bool = False) -> None:
         """Between inputs: let go of the hold once the backlog has arrived (unless the source still waits for
@@ -258,7 +264,7 @@ class DetectionDriver:
     def begin_catch_up(self) -> None:
         """Backlogs are on their way (storage failed or came back, a restart, a member returned): hold the
         windows where the data has brought them until they have arrived."""
-        self.catch_up.begin()
+        self.catch_up.begin(self._data_lag_ns)
         if self.catch_up.active:
             self.hold()
 
@@ -305,6 +311,13 @@ class DetectionDriver:
 
     def snapshot(self) -> bytes:
         return self.detection.snapshot()
+
+    def _lag_behind(self, clock_ns: int) -> int:
+        """How far the newest span end seen (the data's watermark plus the allowed lateness) trails ``clock_ns``."""
+        watermark = self.detection.windows.data_watermark
+        if watermark is None:
+            return 0
+        return max(clock_ns - watermark - self.settings.detection.allowed_lateness_ns, 0)
 
     def _latest_event_time(self) -> int:
         return time.time_ns() + self.settings.max_clock_skew_ns

@@ -43,6 +43,8 @@ ENGINE_GAUGES = (
     ("spikehound_detector_open_spikes", "open_spikes",
      "Spikes the detectors hold open now (restored from the checkpoint after a restart)."),
     ("spikehound_trace_buffer_spans", "trace_buffer_spans", "Spans held for attribution."),
+    ("spikehound_trace_buffer_bytes", "trace_buffer_bytes",
+     "Estimated bytes of the spans held for attribution (bounded by detection.trace_buffer_bytes)."),
     ("spikehound_resource_series", "resource_series", "Resource series watched by the resource detectors."),
     ("spikehound_detection_catching_up", "catching_up",
      "1 while the latency windows' watermark is held for a backlog to drain (after a storage outage or a "

@@ -25,7 +25,8 @@ def policy_for(storage: StorageConfig) -> RetentionPolicy:
                            point_max_age_s=storage.metric_retention_hours * 3600,
                            span_max_bytes=storage.span_retention_max_bytes,
                            point_max_count=storage.metric_retention_max_points,
-                           profile_max_rows=storage.profile_retention_max_rows)
+                           profile_max_rows=storage.profile_retention_max_rows,
+                           window_max_age_s=storage.window_retention_days * 86400)
 
 
 class RetentionRunner:
@@ -61,6 +62,7 @@ class RetentionRunner:
         t.retention_deleted.labels("profile_samples", "age").inc(result.profile_samples)
         t.retention_deleted.labels("profile_samples", "size").inc(result.profile_samples_over_size)
         t.retention_deleted.labels("operations", "age").inc(result.operations)
+        t.retention_deleted.labels("latency_windows", "age").inc(result.windows)
         if self.retention.measured:
             size = self.retention.size
             t.stored_span_bytes.set(size.span_bytes)

@@ -87,8 +87,9 @@ class CollectorTelemetry:
                                             "Time to save the detectors' learned state.",
                                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
         self.retention_deleted = Counter("spikehound_retention_deleted",
-                                         "Spans, metric points or profile rows deleted by retention, past their "
-                                         "age or over the size caps.", ["table", "reason"], registry=r)
+                                         "Spans, metric points, profile rows, operations or latency windows "
+                                         "deleted by retention, past their age or over the size caps.",
+                                         ["table", "reason"], registry=r)
         self.stored_span_bytes = Gauge("spikehound_storage_span_payload_bytes",
                                        "Payload bytes of the stored spans, as retention last measured "
                                        "(storage.span_retention_max_bytes caps it).", registry=r)

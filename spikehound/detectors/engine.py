@@ -200,6 +200,7 @@ class DetectionEngine:
             "open_spikes": self.incidents.open_count,
             "spikes_opened": self.spikes_opened,
             "trace_buffer_spans": self.traces.spans,
+            "trace_buffer_bytes": self.traces.bytes,
             "trace_buffer_evicted_traces": self.traces.evicted_traces,
             "attributions_without_traces": self.attributions_without_traces,
             "resource_series": self.resources.series,

@@ -116,6 +116,8 @@ latency_windows = Table(
     PrimaryKeyConstraint("service", "operation", "peer_service", "start_ns", name="pk_latency_windows"),
     # /api/v1/latency?service= without an operation: the primary key alone would read the service's whole history.
     Index("ix_latency_windows_service_start", "service", "start_ns"),
+    # Retention: the newest window, and the windows past storage.window_retention_days.
+    Index("ix_latency_windows_start", "start_ns"),
 )
 
 spikes = Table(

@@ -1,0 +1,491 @@
+"""The soak's run (``benchmarks/soak.py``; its two-minute version is ``tests/test_soak.py``): real daemons, the
+traffic of :mod:`harness.soak_traffic`, operations on schedules, samples, canaries and the score.
+
+:class:`SoakSettings` holds every knob (the benchmark's flags are its fields); :class:`Soak` runs one storage's
+soak and returns its figures as a JSON-ready dict; :func:`score` holds the spikes found to the faults planned.
+
+>>> pooled_slope([(0, 100, 1), (1, 110, 1), (2, 120, 1), (0, 50, 2), (1, 60, 2), (2, 70, 2)])  # two lives
+10.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import queue
+import shutil
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+
+from harness.api_client import list_spikes
+from harness.daemons import AgentProcess, CollectorProcess
+from harness.fault_campaign_parts import GRID_NS, alert_config, notifications, served_once
+from harness.pgserver import PostgresServer
+from harness.scrape import sample, scrape
+from harness.soak_traffic import CHURN_MARK, SoakPlan, send
+from harness.webhook_receiver import WebhookReceiver
+from spikehound.timefmt import parse_time
+from spikehound.units import NS
+
+WINDOW_S = 10.0  # the collector's default window: a spike may start one window before its fault
+FOUND_WITHIN_S = 120.0
+BLOCK_S = 6 * 3600  # recall is reported per six hours of event time
+GAUGES = {"open_windows": "spikehound_latency_open_windows", "streams": "spikehound_latency_streams",
+          "baselines": "spikehound_detector_streams", "resource_series": "spikehound_resource_series",
+          "trace_buffer_spans": "spikehound_trace_buffer_spans",
+          "trace_buffer_bytes": "spikehound_trace_buffer_bytes", "catching_up": "spikehound_detection_catching_up",
+          "stored_span_bytes": "spikehound_storage_span_payload_bytes"}
+
+
+@dataclass
+class SoakSettings:
+    """Every knob of a soak run; intervals are wall seconds unless they say event."""
+
+    storage: str = "both"  # sqlite | postgres | both
+    hours: float = 2.0  # wall-clock hours per storage
+    speed: float = 12.0  # event seconds per wall second
+    rate: float = 10_000.0  # spans a second of wall time
+    agents: int = 2
+    fault_every: float = 1200.0  # event seconds between faults
+    churn: float = 0.01  # share of spans with a name never seen before
+    reload_every: float = 600.0  # between SIGHUPs (0: none)
+    kill_every: float = 1800.0  # between SIGKILLs of the collector (0: none)
+    pg_restart_every: float = 3600.0  # between PostgreSQL restarts (the PostgreSQL run; 0: none)
+    span_cap_mb: float = 1024.0  # storage.span_retention_max_bytes, MiB
+    point_cap: int = 2_000_000  # storage.metric_retention_max_points
+    sample_every: float = 30.0
+    api_probes: int = 3  # GET /api/v1/spikes per sample
+    canary_every: int = 500  # every Nth acknowledged request gives a canary
+    seed: int = 31
+    out: Path = Path("soak-results")  # folder for the JSON and PNGs
+    keep: bool = False  # keep the run's working folder (logs, database)
+
+
+# -- what is measured --------------------------------------------------------------------------------------
+
+
+def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> dict[str, float] | None:
+    """RSS (MB), CPU (share of one core since the last call for this pid), open descriptors, threads."""
+    if pid is None:
+        return None
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            cpu = p.cpu_times()
+            used, now = cpu.user + cpu.system, time.monotonic()
+            before = last.get(pid)
+            last[pid] = (used, now)
+            return {"rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(), "threads": p.num_threads(),
+                    "cpu": (used - before[0]) / (now - before[1]) if before and now > before[1] else 0.0}
+    except psutil.Error:
+        return None
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is missing)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for f in path.rglob("*") if path.exists() else ():
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                total += f.stat().st_size
+    return total
+
+
+def timed_get(url: str, timeout: float = 30) -> float | None:
+    """Milliseconds a GET took to answer 200 (None on any other outcome)."""
+    began = time.perf_counter()
+    try:
+        r = requests.get(url, timeout=timeout)
+    except requests.RequestException:
+        return None
+    return (time.perf_counter() - began) * 1000 if r.status_code == 200 else None
+
+
+def pooled_slope(points: Iterable[tuple[float, float, int]]) -> float | None:
+    """Slope (y per x) of (x, y, life) points with an intercept per life: how a process grows while it runs,
+    across restarts that reset it. None with too few points."""
+    lives: dict[int, list[tuple[float, float]]] = {}
+    for x, y, life in points:
+        lives.setdefault(life, []).append((x, y))
+    num = den = 0.0
+    for pts in lives.values():
+        if len(pts) < 3:
+            continue
+        mx = statistics.fmean(x for x, _ in pts)
+        my = statistics.fmean(y for _, y in pts)
+        num += sum((x - mx) * (y - my) for x, y in pts)
+        den += sum((x - mx) ** 2 for x, _ in pts)
+    return num / den if den else None
+
+
+@dataclass
+class Canary:
+    trace: str
+    span: str
+    acked_at: float  # wall (monotonic)
+    checks: int = 0
+
+
+@dataclass
+class Accuracy:
+    faults: int = 0
+    found: int = 0
+    top1: int = 0
+    per_block: dict[int, list[int]] = field(default_factory=dict)  # block -> [faults, found, top1]
+    missed: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+    false_spikes: list[str] = field(default_factory=list)
+    false_by_reason: dict[str, int] = field(default_factory=dict)
+    pages_per_fault: list[int] = field(default_factory=list)
+
+
+def score(plan: SoakPlan, spikes: list[dict[str, Any]], event_end_s: float) -> Accuracy:
+    """Each planned fault (onset before ``event_end_s``, the traffic's end) against the spikes found."""
+    out = Accuracy()
+    starts = [((parse_time(s["start"]) - plan.start_ns) / NS, s) for s in spikes]
+    claimed: set[str] = set()
+    for f in plan.faults():
+        if f.onset_s + f.duration_s > event_end_s:
+            continue
+        block = out.per_block.setdefault(int(f.onset_s // BLOCK_S), [0, 0, 0])
+        out.faults += 1
+        block[0] += 1
+        during = [(t, s) for t, s in starts if f.onset_s - WINDOW_S <= t < f.onset_s + f.duration_s + WINDOW_S]
+        claimed.update(s["id"] for _, s in during)
+        label = f"{f.kind} {f.service} +{f.size_ms:.0f} ms at {f.onset_s / 3600:.2f} h"
+        first = min(during, key=lambda ts: ts[0], default=None)
+        out.pages_per_fault.append(len(during))
+        if first is None or first[0] > f.onset_s + FOUND_WITHIN_S:
+            out.missed.append(label + ("" if first is None else f" (first spike {first[0] - f.onset_s:.0f} s in)"))
+            continue
+        out.found += 1
+        block[1] += 1
+        causes = first[1]["causes"]
+        if causes and causes[0]["service"] == f.service:
+            out.top1 += 1
+            block[2] += 1
+        else:
+            out.wrong.append(f"{label}: {causes[0]['summary'] if causes else 'no cause'}")
+    swings = [edge for a, b in plan.swings() for edge in (a, b)]
+    for t, s in starts:
+        if s["id"] in claimed:
+            continue
+        names = " ".join([s["operation"] or "", *(c["operation"] or "" for c in s["causes"][:1])])
+        reason = ("churned name" if CHURN_MARK in names else
+                  "load swing" if any(abs(t - e) <= 120 for e in swings) else "other")
+        out.false_by_reason[reason] = out.false_by_reason.get(reason, 0) + 1
+        out.false_spikes.append(f"{t / 3600:.2f} h {s['service']}/{s['operation']} p99 {s['p99_ms']:.0f} ms vs "
+                                f"{s['baseline_p99_ms']:.0f} ms ({reason})")
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------------------------
+
+
+class Soak:
+    """One soak run on one storage: its daemons, traffic, operations and samples."""
+
+    def __init__(self, storage: str, settings: SoakSettings, workdir: Path, log: Callable[[str], None] = print
+                 ) -> None:
+        self.storage, self.settings, self.workdir, self.log = storage, settings, workdir, log
+        self.pg: PostgresServer | None = None
+        self.db_path: Path | None = None
+        self.collector: CollectorProcess | None = None
+        self.agents: list[AgentProcess] = []
+        self.samples: list[dict[str, Any]] = []
+        self.events: list[tuple[float, str]] = []  # (wall s since start, what the operations did)
+        self.canaries: list[Canary] = []
+        self.lost: list[str] = []
+        self.duplicated: list[str] = []
+        self.canaries_checked = 0
+        self.traffic: dict[str, Any] = {}
+        self.cpu_last: dict[int, tuple[float, float]] = {}
+        self.api_ms: list[float] = []
+        self.page_ms: list[float] = []
+        self.lives = 0  # collector starts
+        self.began = 0.0
+        self.stop = threading.Event()
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+
+    def start(self, hook_url: str) -> None:
+        if self.storage == "postgres":
+            self.pg = PostgresServer(base_dir=self.workdir / "pg")
+            url = self.pg.start()
+        else:
+            self.db_path = self.workdir / "soak.sqlite"
+            url = f"sqlite:///{self.db_path}"
+        config = self.workdir / "collector.toml"
+        config.write_text(f"""
+[storage]
+span_retention_max_bytes = {int(self.settings.span_cap_mb * 2**20)}
+metric_retention_max_points = {self.settings.point_cap}
+{alert_config(hook_url)}""")
+        self.collector = CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)}).start(120)
+        self.lives = 1
+        for i in range(self.settings.agents):
+            workdir = self.workdir / f"agent-{i + 1}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            self.agents.append(AgentProcess(self.collector.grpc_endpoint, workdir, interval=10,
+                                            env={"SPIKEHOUND_AGENT_HOST_NAME": f"soak-agent-{i + 1}"}).start(60))
+
+    def stop_all(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                agent.terminate(60)
+        if self.collector is not None:
+            with contextlib.suppress(Exception):
+                self.collector.terminate(120)
+        if self.pg is not None:
+            with contextlib.suppress(Exception):
+                shutil.copy(self.pg.log_path, self.workdir / "postgres.log")
+            self.pg.stop()
+
+    # -- probes ---------------------------------------------------------------------------------------------
+
+    @property
+    def api(self) -> str:
+        assert self.collector is not None
+        return self.collector.api
+
+    def db_bytes(self) -> tuple[int, int]:
+        """(database bytes on disk, of which WAL)."""
+        if self.pg is not None:
+            data = self.pg.data_dir
+            return tree_bytes(data), tree_bytes(data / "pg_wal")
+        assert self.db_path is not None
+        wal = tree_bytes(Path(f"{self.db_path}-wal"))
+        return tree_bytes(self.db_path) + wal + tree_bytes(Path(f"{self.db_path}-shm")), wal
+
+    def take_sample(self) -> None:
+        assert self.collector is not None
+        wall = time.monotonic() - self.began
+        row: dict[str, Any] = {"wall_s": round(wall, 1), "event_s": self.traffic.get("event_second", -1),
+                               "life": self.lives}
+        row["collector"] = process_figures(self.collector.proc.pid if self.collector.running else None,
+                                           self.cpu_last)
+        row["agents"] = [process_figures(a.proc.pid if a.running else None, self.cpu_last) for a in self.agents]
+        row["db_bytes"], row["wal_bytes"] = self.db_bytes()
+        row["spool_bytes"] = sum(tree_bytes(a.spool_dir) for a in self.agents)
+        try:
+            metrics = scrape(self.api, timeout=10)
+            row.update({k: sample(metrics, name) for k, name in GAUGES.items()})
+            row["metrics_series"] = len(metrics)
+        except Exception as exc:  # a collector restarting: the row says so
+            row["scrape_error"] = str(exc)[:200]
+        answers = [timed_get(f"{self.api}/api/v1/spikes?limit=100") for _ in range(self.settings.api_probes)]
+        row["api_ms"] = [round(a, 1) for a in answers if a is not None]
+        self.api_ms.extend(row["api_ms"])
+        with contextlib.suppress(Exception):
+            newest = list_spikes(self.api, limit=1)
+            if newest:
+                page = timed_get(f"{self.api}/ui/spikes/{newest[0]['id']}")
+                if page is not None:
+                    row["page_ms"] = round(page, 1)
+                    self.page_ms.append(page)
+        self.samples.append(row)
+        c = row["collector"] or {}
+        agents = " ".join(f"{(a or {}).get('rss_mb', 0):.0f}" for a in row["agents"])
+        self.log(f"[{self.storage} {wall / 60:5.1f} min, event {row['event_s'] / 3600:5.2f} h] collector "
+                 f"{c.get('rss_mb', 0):.0f} MB {c.get('fds', 0)} fds, agents "
+                 f"{agents} MB, db "
+                 f"{row['db_bytes'] / 2**20:.0f} MB, spool {row['spool_bytes'] / 2**20:.1f} MB, open windows "
+                 f"{row.get('open_windows')}, canaries {self.canaries_checked} checked {len(self.lost)} lost")
+
+    def check_canaries(self, final: bool = False) -> None:
+        """Look up canaries acked a minute ago or more; one not found is looked up again at later samples, up
+        to 5 minutes after its ack. ``final`` (after the run has settled): every canary left, once."""
+        now = time.monotonic()
+        keep = []
+        for c in self.canaries:
+            if not final and now - c.acked_at < 60:
+                keep.append(c)
+                continue
+            try:
+                _, lost, dup = served_once(self.api, [(c.trace, c.span)], workers=1)
+            except Exception:  # the collector restarting: next time
+                keep.append(c)
+                continue
+            c.checks += 1
+            if lost and not final and now - c.acked_at < 300:
+                keep.append(c)
+                continue
+            self.canaries_checked += 1
+            if lost:
+                self.lost.append(f"{c.trace}/{c.span}")
+            if dup:
+                self.duplicated.append(f"{c.trace}/{c.span}")
+        self.canaries = keep
+
+    def read_traffic(self, reports: Any) -> None:
+        while True:
+            try:
+                r = reports.get_nowait()
+            except queue.Empty:
+                return
+            now = time.monotonic()
+            self.canaries.extend(Canary(t, s, now) for t, s, _ in r.pop("canaries"))
+            self.traffic.update(r)
+
+    # -- operations -----------------------------------------------------------------------------------------
+
+    def operations(self) -> None:
+        """SIGHUP, SIGKILL and PostgreSQL restarts on their schedules (wall seconds from the start)."""
+        a = self.settings
+        due = {"reload": a.reload_every, "kill": a.kill_every, "pg-restart": a.pg_restart_every}
+        next_at = {k: v for k, v in due.items() if v > 0 and (k != "pg-restart" or self.pg is not None)}
+        while not self.stop.is_set():
+            now = time.monotonic() - self.began
+            for what, at in sorted(next_at.items(), key=lambda kv: kv[1]):
+                if now < at:
+                    continue
+                try:
+                    self.operate(what)
+                    self.events.append((round(now, 1), what))
+                except Exception as exc:  # said; the run goes on
+                    self.events.append((round(now, 1), f"{what} failed: {exc}"))
+                    self.log(f"[{self.storage}] {what} failed: {exc}")
+                next_at[what] = at + due[what]
+            self.stop.wait(1.0)
+
+    def operate(self, what: str) -> None:
+        assert self.collector is not None and self.collector.proc is not None
+        if what == "reload":
+            self.collector.proc.send_signal(signal.SIGHUP)
+        elif what == "kill":
+            self.collector.kill()
+            self.collector.start(180)
+            self.lives += 1
+        elif what == "pg-restart" and self.pg is not None:
+            self.pg.restart("fast")
+
+    # -- the whole run --------------------------------------------------------------------------------------
+
+    def plan(self) -> SoakPlan:
+        wall_s = self.settings.hours * 3600
+        event_s = int(wall_s * self.settings.speed)
+        # Ends at the present: the collector refuses spans from its future, never ones from its past.
+        start_ns = (time.time_ns() + int(wall_s * NS) - event_s * NS) // GRID_NS * GRID_NS
+        return SoakPlan(seed=self.settings.seed, start_ns=start_ns, seconds=event_s,
+                        spans_per_s=self.settings.rate / self.settings.speed, fault_every_s=self.settings.fault_every,
+                        churn=self.settings.churn)
+
+    def execute(self) -> dict[str, Any]:
+        result: dict[str, Any] = {"storage": self.storage, "settings": dataclasses.asdict(self.settings)}
+        ctx = multiprocessing.get_context("spawn")
+        with WebhookReceiver() as hook:
+            try:
+                self.start(hook.url)
+                plan = self.plan()
+                reports = ctx.Queue(1000)
+                stop_traffic = ctx.Event()
+                self.began = time.monotonic()
+                traffic = ctx.Process(target=send, name="soak-traffic", daemon=True,
+                                      args=(plan, [a.http_endpoint for a in self.agents], time.time(),
+                                            self.settings.speed, stop_traffic, reports, self.settings.canary_every))
+                traffic.start()
+                ops = threading.Thread(target=self.operations, name="soak-operations", daemon=True)
+                ops.start()
+                next_sample = 0.0
+                while traffic.is_alive() and time.monotonic() - self.began < self.settings.hours * 3600 + 60:
+                    self.read_traffic(reports)
+                    if time.monotonic() - self.began >= next_sample:
+                        self.take_sample()
+                        self.check_canaries()
+                        next_sample += self.settings.sample_every
+                    time.sleep(0.5)
+                stop_traffic.set()
+                self.stop.set()
+                ops.join(300)
+                traffic.join(60)
+                self.read_traffic(reports)
+                self.settle()
+                self.take_sample()
+                self.check_canaries(final=True)
+                spikes = list_spikes(self.api, limit=10_000)
+                accuracy = score(plan, spikes, float(self.traffic.get("event_second", 0)))
+                result["spikes"] = [
+                    {"start_h": round((parse_time(k["start"]) - plan.start_ns) / NS / 3600, 4),
+                     "end_h": round((parse_time(k["end"]) - plan.start_ns) / NS / 3600, 4) if k.get("end") else None,
+                     "stream": f"{k['service']} {k['operation']} {k.get('peer_service') or ''}".strip(),
+                     "state": k["state"], "occurrence": k.get("occurrence"),
+                     "top": k["causes"][0]["summary"] if k["causes"] else None} for k in spikes]
+                firing = {n for n in notifications(hook) if n[1] == "firing"}
+                result.update(self.summary(plan, accuracy, len(firing)))
+            except Exception as exc:
+                result["failed"] = f"{exc.__class__.__name__}: {exc}"
+                self.log(f"[{self.storage}] run failed: {result['failed']}")
+            finally:
+                self.stop.set()
+                self.stop_all()
+        result["samples"] = self.samples
+        result["events"] = self.events
+        return result
+
+    def settle(self, timeout: float = 900) -> None:
+        """Until the agents' queues and spools are empty and no window is held or open (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                spooled = sum(a.metric("spikehound_agent_spool_requests")
+                              + a.metric("spikehound_agent_queue_memory_bytes") for a in self.agents)
+                m = scrape(self.api, timeout=10)
+                if not spooled and not sample(m, "spikehound_latency_open_windows"):
+                    return
+            except Exception:  # the collector restarting
+                pass
+            time.sleep(2)
+        self.log(f"[{self.storage}] not settled after {timeout:.0f} s")
+
+    def summary(self, plan: SoakPlan, acc: Accuracy, notifications: int) -> dict[str, Any]:
+        hour = min(3600.0, self.settings.hours * 3600 / 2)  # "after the first hour" (half of a shorter run)
+        late = [s for s in self.samples if s["wall_s"] >= hour]
+
+        def slope(pick: Callable[[dict[str, Any]], dict[str, float] | None], life: bool) -> float | None:
+            pts = [(s["wall_s"] / 3600, f["rss_mb"], s["life"] if life else 0) for s in late
+                   if (f := pick(s)) is not None]
+            return pooled_slope(pts)
+
+        fds = [s["collector"]["fds"] for s in self.samples if s.get("collector")]
+        agent_fds = [[s["agents"][i]["fds"] for s in self.samples if s["agents"][i]] for i in range(len(self.agents))]
+        db = [s["db_bytes"] / 2**20 for s in late] or [s["db_bytes"] / 2**20 for s in self.samples]
+        api = sorted(self.api_ms)
+        return {
+            "event_hours": self.traffic.get("event_second", 0) / 3600,
+            "acked_spans": self.traffic.get("acked", 0), "rejected_spans": self.traffic.get("rejected", 0),
+            "sender_retries": self.traffic.get("retries", 0), "sender_max_lag_s": self.traffic.get("max_lag_s", 0),
+            "traffic_error": self.traffic.get("error", ""),
+            "canaries": self.canaries_checked, "lost": self.lost, "duplicated": self.duplicated,
+            "collector_lives": self.lives, "spikes_paged": notifications,
+            "rss_slope_mb_per_h": {"collector": slope(lambda s: s["collector"], True),
+                                   **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False)
+                                      for i in range(len(self.agents))}},
+            "collector_rss_mb_max": max((s["collector"]["rss_mb"] for s in self.samples if s.get("collector")),
+                                        default=None),
+            "collector_fds": [min(fds, default=0), max(fds, default=0)],
+            "agent_fds": [[min(f, default=0), max(f, default=0), f[-1] if f else 0] for f in agent_fds],
+            "db_mb_band": [min(db, default=0), max(db, default=0)],
+            "api_p99_ms": api[int(0.99 * (len(api) - 1))] if api else None,
+            "page_p99_ms": sorted(self.page_ms)[int(0.99 * (len(self.page_ms) - 1))] if self.page_ms else None,
+            "faults": acc.faults, "found": acc.found, "top1": acc.top1,
+            "recall_per_6h": {f"{b * 6}-{b * 6 + 6} h": (v[1] / v[0] if v[0] else None, v[0])
+                              for b, v in sorted(acc.per_block.items())},
+            "spikes_per_fault": statistics.fmean(acc.pages_per_fault) if acc.pages_per_fault else None,
+            "missed": acc.missed, "wrong": acc.wrong, "false_spikes": acc.false_spikes,
+            "false_by_reason": acc.false_by_reason, "plan": {"faults": len(plan.faults()), "swings": plan.swings(),
+                                                             "start_ns": plan.start_ns, "seconds": plan.seconds},
+        }
+
+
