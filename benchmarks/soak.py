@@ -17,7 +17,8 @@ wall clock, ending at the present: at speed 12 a two-hour run covers a day of it
 
 While it runs (every interval is wall time and a flag): a SIGHUP reload every 10 minutes, a SIGKILL of the
 collector every 30 minutes (started again at once, from its checkpoint), a PostgreSQL restart every hour on
-the PostgreSQL run. Retention is capped by size (``--span-cap-mb``), so that it deletes all the time.
+the PostgreSQL run. Retention is capped by size (``--span-cap-mb``) and the windows' age (``--window-days``),
+so that it deletes all the time.
 
 Sampled every 30 s: RSS, CPU, open descriptors and threads of the collector and the agents; the database on
 disk (and its WAL); the agents' spools; the collector's open windows, streams, baselines, resource series,
@@ -121,6 +122,7 @@ HELP = {"storage": "sqlite, postgres or both (one after the other)", "hours": "w
         "kill_every": "wall seconds between SIGKILLs of the collector (0: none)",
         "pg_restart_every": "wall seconds between PostgreSQL restarts (0: none)",
         "span_cap_mb": "storage.span_retention_max_bytes, in MiB", "point_cap": "storage.metric_retention_max_points",
+        "window_days": "storage.window_retention_days",
         "sample_every": "wall seconds between samples", "api_probes": "GET /api/v1/spikes per sample",
         "canary_every": "every Nth acknowledged request gives a canary", "out": "folder for the JSON and PNGs",
         "keep": "keep each run's working folder (logs, database)"}

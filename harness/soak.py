@@ -63,6 +63,7 @@ class SoakSettings:
     pg_restart_every: float = 3600.0  # between PostgreSQL restarts (the PostgreSQL run; 0: none)
     span_cap_mb: float = 1024.0  # storage.span_retention_max_bytes, MiB
     point_cap: int = 2_000_000  # storage.metric_retention_max_points
+    window_days: float = 0.25  # storage.window_retention_days: six hours of event time
     sample_every: float = 30.0
     api_probes: int = 3  # GET /api/v1/spikes per sample
     canary_every: int = 500  # every Nth acknowledged request gives a canary
@@ -232,6 +233,7 @@ class Soak:
 [storage]
 span_retention_max_bytes = {int(self.settings.span_cap_mb * 2**20)}
 metric_retention_max_points = {self.settings.point_cap}
+window_retention_days = {self.settings.window_days}
 {alert_config(hook_url)}""")
         self.collector = CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)}).start(120)
         self.lives = 1
