@@ -55,7 +55,7 @@ def test_upgrade_reaches_head_is_idempotent_and_matches_the_schema(db_url):
     eng = make_engine(db_url)
     try:
         assert current_revision(eng) is None
-        assert head_revision() == "0009"
+        assert head_revision() == "0010"
         assert upgrade(eng) == head_revision()
         Writer(eng).write(WriteBatch(spans=[make_span(1, 1)]), now_ns=NOW)
 
