@@ -136,7 +136,6 @@ class Canary:
     trace: str
     span: str
     acked_at: float  # wall (monotonic)
-    checks: int = 0
 
 
 @dataclass
@@ -320,7 +319,6 @@ window_retention_days = {self.settings.window_days}
             except Exception:  # the collector restarting: next time
                 keep.append(c)
                 continue
-            c.checks += 1
             if lost and not final and now - c.acked_at < 300:
                 keep.append(c)
                 continue

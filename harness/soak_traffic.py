@@ -40,14 +40,13 @@ from typing import Any
 import requests
 
 from harness.fault_campaign_parts import post_until_acked
-from harness.scenarios.mesh_traffic import FAULT_KINDS, GATEWAY, MeshFault, MeshTimeline, reach
+from harness.scenarios.mesh_traffic import FAULT_KINDS, GATEWAY, NODES, MeshFault, MeshTimeline, reach
 from spikehound.model import Span
 from spikehound.otlp import encode_spans
 from spikehound.units import NS
 
 SEGMENT_S = 3600  # event seconds per MeshTimeline (each its own seed)
 CHURN_MARK = "~"  # churned names carry it: "GET /api/v1/orders/~3f9c1a20"
-NODES = ("k8s-node-1", "k8s-node-2", "k8s-node-3", "k8s-node-4")  # the mesh's hosts (mesh_traffic._NODES)
 _SPANS_PER_REQUEST = 40.5  # the mesh's average tree, measured (calibrate: 40.6 and 40.5 for seeds 1 and 2)
 
 
@@ -201,4 +200,4 @@ def send(plan: SoakPlan, endpoints: list[str], start_wall: float, speed: float,
             s.close()
 
 
-__all__ = ["CHURN_MARK", "NODES", "SoakPlan", "agent_of", "calibrate", "send"]
+__all__ = ["CHURN_MARK", "SoakPlan", "agent_of", "calibrate", "send"]

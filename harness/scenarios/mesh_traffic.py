@@ -51,7 +51,7 @@ from harness.scenarios.traffic import Batch, poisson
 from spikehound.model import MetricKind, MetricPoint, Span, SpanKind, StatusCode
 from spikehound.units import MS, NS
 
-__all__ = ["FAULT_KINDS", "GATEWAY", "MeshFault", "MeshTimeline", "reach"]
+__all__ = ["FAULT_KINDS", "GATEWAY", "NODES", "MeshFault", "MeshTimeline", "reach"]
 
 GATEWAY = "ts-gateway-service"
 FAULT_KINDS = ("delay", "netem", "cpu")
@@ -192,7 +192,7 @@ _ROUTES: tuple[tuple[float, str], ...] = (
 # Java services on busy nodes: the table's self times are scaled by this (it sets the root's p50 near 150 ms).
 _SELF_SCALE = 3.0
 _SLOT_S = 20 * 60.0  # a fault and the clean traffic after it
-_NODES = ("k8s-node-1", "k8s-node-2", "k8s-node-3", "k8s-node-4")
+NODES = ("k8s-node-1", "k8s-node-2", "k8s-node-3", "k8s-node-4")
 
 
 def _services() -> list[str]:
@@ -290,8 +290,8 @@ class MeshTimeline:
         self._rng = random.Random(f"mesh/{seed}")
         rng = self._rng
         self.services = _services()
-        self._host = {s: rng.choice(_NODES) for s in self.services}
-        self._skew_ns = {n: int(rng.gauss(0, 3) * MS) for n in _NODES}  # host clocks a few ms apart
+        self._host = {s: rng.choice(NODES) for s in self.services}
+        self._skew_ns = {n: int(rng.gauss(0, 3) * MS) for n in NODES}  # host clocks a few ms apart
         self._export_period = {s: rng.uniform(1.0, 5.0) for s in self.services}  # BSP schedule per service
         self.faults = self._plan_faults(faults) if isinstance(faults, int) else sorted(faults, key=lambda f: f.onset_s)
         self._pauses = self._plan_pauses()
@@ -493,7 +493,7 @@ class MeshTimeline:
         fault = self.fault_at(second)
         t = self.start_ns + second * NS
         out = []
-        for node in _NODES:
+        for node in NODES:
             busy = min(max(rng.gauss(0.35, 0.04) * self.rate(second) / (self.rate_per_min / 60), 0.02), 1.0)
             if fault is not None and fault.kind == "cpu" and self._host[fault.service] == node:
                 busy = min(busy + 0.55, 0.99)
