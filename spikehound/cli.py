@@ -60,6 +60,9 @@ def _add_config_flags(p: argparse.ArgumentParser, *, listeners: bool = True) -> 
 
 
 def cmd_collector(args: argparse.Namespace) -> int:
+    from spikehound.heap import configure_malloc
+
+    configure_malloc()  # before any thread allocates (spikehound/heap.py)
     from spikehound import logs
     from spikehound.collector.daemon import Collector
     from spikehound.lifecycle import serve
@@ -79,7 +82,9 @@ def cmd_collector(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from spikehound.agent.runtime import prefer_poll_transport, run
+    from spikehound.heap import configure_malloc
 
+    configure_malloc()  # before any thread allocates (spikehound/heap.py)
     prefer_poll_transport()  # before spikehound.agent.daemon loads gRPC
     from spikehound import logs
     from spikehound.agent.daemon import Agent

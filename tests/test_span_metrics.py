@@ -17,7 +17,7 @@ from harness.daemons import CollectorThread, collector_config
 from harness.scrape import Samples, parse, sample, scrape, scrape_text
 from harness.waiting import eventually
 from spikehound.collector.span_metrics import SpanMetrics
-from spikehound.model import Cause, CauseKind, Spike
+from spikehound.model import Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.storage.engine import make_engine
 from spikehound.storage.writer import WriteBatch, Writer
 from tests.support.otel_send import MS, sample_provider, send_durations, timed_span, tracer_provider
@@ -176,3 +176,27 @@ def test_a_batch_the_span_metrics_cannot_read_is_counted_not_raised(caplog):
     assert metrics.errors == 1
     assert "span metrics could not take a batch" in caplog.text
 
+
+
+def test_series_that_went_quiet_are_dropped_so_that_new_names_get_series_again():
+    """A flood of one-off names fills the series; ten minutes after it stopped, they go and new names fit."""
+    now = [0.0]
+    metrics = SpanMetrics(max_series=4, clock=lambda: now[0])
+
+    def span(name: str) -> Span:
+        return Span(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, parent_span_id=None, service="router", host=None,
+                    name=name, kind=SpanKind.SERVER, start_unix_nano=0, end_unix_nano=3 * MS, status=StatusCode.OK)
+
+    def named() -> set[str]:
+        calls = next(iter(metrics.collect()))
+        return {s.labels["span_name"] for s in calls.samples if "span_name" in s.labels}
+
+    metrics.add_spans([span("GET /health")] + [span(f"GET /users/{i}") for i in range(10)])
+    assert named() == {"GET /health", "GET /users/0", "GET /users/1", "GET /users/2"}
+    for minute in range(1, 25):  # /health keeps counting; the ids never come back
+        now[0] = minute * 60.0
+        metrics.add_spans([span("GET /health")])
+    metrics.add_spans([span("GET /orders/{id}")])
+    assert named() == {"GET /health", "GET /orders/{id}"}
+    assert metrics.dropped_series == 6  # three names, each in both sets
+    assert metrics.overflow_spans == 2 * 7  # the flood's names past the limit, in both sets

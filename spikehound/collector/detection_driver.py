@@ -31,6 +31,7 @@ from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.config import Config
 from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection, DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
+from spikehound.heap import release_free_heap
 from spikehound.model import MetricPoint, Span
 from spikehound.storage.checkpoints import Checkpoint
 from spikehound.storage.reader import Reader
@@ -259,6 +260,7 @@ class DetectionDriver:
         steps = close_held(self.detection, self.settings.detection.window_ns,
                            lambda: self.keep(self.guarded(self.detection.advance)))
         log.info("caught up: the backlogs have arrived; the windows held open were closed in %d step(s)", steps)
+        release_free_heap()  # what the held windows took (spikehound/heap.py)
         return True
 
     def begin_catch_up(self) -> None:

@@ -22,6 +22,7 @@ from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection
+from spikehound.heap import release_free_heap
 from spikehound.model import Spike
 from spikehound.storage import checkpoints
 from spikehound.storage.reader import Reader
@@ -195,6 +196,7 @@ class LocalDetection:
         """On the writer thread: save the checkpoint, with the position storage is at now (between two commits).
         Sizeable, so a write of it during a storage episode tells whether a full disk has room again."""
         checkpoints.save(self.engine, CHECKPOINT_NAME, CHECKPOINT_FORMAT, self.driver.snapshot())
+        release_free_heap()  # the pickle's tens of MB, and whatever a catch-up freed (spikehound/heap.py)
 
     def _close_orphans(self) -> None:
         """Resolve the orphans whose last anomalous window event time has passed (see ``start``).

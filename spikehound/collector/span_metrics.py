@@ -17,7 +17,10 @@ Series are bounded (``collector.span_metrics_max_series`` per set), and so are t
 values (``LABEL_CHARS_PER_SERIES`` on average per series, so that a few thousand long span names cannot make
 ``/metrics`` hundreds of megabytes: each series is written some twenty times). A span of a new series beyond
 either bound is counted in ``spikehound_span_metrics_overflow_spans_total`` and aggregated into one overflow
-series labelled ``otel_metric_overflow="true"``, as the connector does, so totals stay right.
+series labelled ``otel_metric_overflow="true"``, as the connector does, so totals stay right. A series that
+counted nothing for ``SERIES_IDLE_SECONDS`` (10 minutes) is dropped, as the connector's ``metrics_expiration``
+does: the slots that one-off names took (a badly templated route) come free for the series that follow, and
+Prometheus reads a series that comes back as a counter reset.
 
 Why not ``Histogram.labels().observe()``: at 60,000 spans/s that costs several microseconds a span under
 locks. Here a batch is one loop of dict look-ups and ``bisect`` into plain lists, and a custom collector
@@ -39,8 +42,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
@@ -59,6 +63,7 @@ INFERENCE_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 OVERFLOW_LABELS = {"otel_metric_overflow": "true"}
 # Label value characters a set holds, per series it may hold: typical names take a fifth of it.
 LABEL_CHARS_PER_SERIES = 128
+SERIES_IDLE_SECONDS = 600.0  # a series that counted nothing for this long is dropped
 
 _KIND_LABELS = {k: f"SPAN_KIND_{k.name}" for k in SpanKind}
 _STATUS_LABELS = {s: f"STATUS_CODE_{s.name}" for s in StatusCode}
@@ -104,6 +109,18 @@ class _Histograms:
         self.overflow_spans += 1
         return self.overflow_row
 
+    def drop_idle(self, counted_before: dict[Any, int]) -> dict[Any, int]:
+        """Drop the rows whose count is what ``counted_before`` (the last sweep's return) says; each row's count."""
+        counts = {}
+        for key, row in list(self.rows.items()):
+            n = sum(row[:-1])
+            if counted_before.get(key) == n:
+                del self.rows[key]
+                self.label_chars -= sum(len(part) for part in key if isinstance(part, str))
+            else:
+                counts[key] = n
+        return counts
+
     def snapshot(self) -> tuple[list[tuple[Any, list[int]]], list[int]]:
         return [(k, row[:]) for k, row in self.rows.items()], self.overflow_row[:]
 
@@ -111,11 +128,15 @@ class _Histograms:
 class SpanMetrics(Collector):
     """Aggregates committed spans; registered on the collector's registry, read when scraped."""
 
-    def __init__(self, max_series: int = 5_000) -> None:
+    def __init__(self, max_series: int = 5_000, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._calls = _Histograms([round(b * MS) for b in DURATION_BUCKETS_MS], max_series)
         self._entry = _Histograms([round(b * NS) for b in INFERENCE_BUCKETS_S], max_series)
         self.errors = 0
+        self.dropped_series = 0
+        self._clock = clock
+        self._next_sweep = clock() + SERIES_IDLE_SECONDS
+        self._counted: tuple[dict[Any, int], dict[Any, int]] = ({}, {})  # each row's count at the last sweep
 
     def add(self, batch: Any) -> None:
         """Commit hook of the ingest pipeline: take the spans of a committed ``WriteBatch``.
@@ -153,6 +174,15 @@ class SpanMetrics(Collector):
                         row = entry.row_for_new(stream)
                     row[bisect_left(entry_bounds, duration)] += 1
                     row[-1] += duration
+            if self._clock() >= self._next_sweep:
+                self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        """Under the lock, every SERIES_IDLE_SECONDS: the series that counted nothing since the last sweep go."""
+        before = len(self._calls.rows) + len(self._entry.rows)
+        self._counted = (self._calls.drop_idle(self._counted[0]), self._entry.drop_idle(self._counted[1]))
+        self.dropped_series += before - len(self._calls.rows) - len(self._entry.rows)
+        self._next_sweep = self._clock() + SERIES_IDLE_SECONDS
 
     @property
     def overflow_spans(self) -> int:
@@ -199,6 +229,10 @@ class SpanMetrics(Collector):
         overflow.add_sample("spikehound_span_metrics_overflow_spans_total", {"set": "model_inference"},
                             overflow_spans[1])
         yield overflow
+        dropped = Metric("spikehound_span_metrics_dropped_series", "Span metric series dropped after counting "
+                         "nothing for 10 minutes (their slots come free for new series).", "counter")
+        dropped.add_sample("spikehound_span_metrics_dropped_series_total", {}, self.dropped_series)
+        yield dropped
         errors = Metric("spikehound_span_metrics_errors", "Committed batches the span metrics could not take.",
                         "counter")
         errors.add_sample("spikehound_span_metrics_errors_total", {}, self.errors)

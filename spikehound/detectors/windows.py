@@ -44,7 +44,7 @@ from spikehound.detectors.streams import (
 )
 from spikehound.model import LatencyWindow, Span, SpanKind
 
-__all__ = ["LatencyWindows", "RouteOf", "Sample", "nearest_rank"]
+__all__ = ["LatencyWindows", "RouteOf", "Sample", "nearest_rank", "remember"]
 
 Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end ns)
 # (trace id, entry span id) -> the operations the entry's own calls reached, for splitting a generic entry
@@ -55,6 +55,8 @@ _TRUSTED_ANSWERED = 8  # calls of one (caller, name) answered in a row: later on
 _NEVER_ANSWERED = 3  # calls of one (caller, name) left unanswered in a row: later ones are named at once
 _EXACT: dict[float, tuple[int, int]] = {}  # quantile -> (numerator, denominator), for nearest_rank
 T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def nearest_rank(sorted_values: Sequence[T], q: float) -> T:
@@ -153,15 +155,17 @@ class LatencyWindows:
         # request, where a loop of calls in one slow trace must not pose as many. Busier ones are judged by
         # their p99, where it changes nothing, and skip the cost.
         self.dedupe_below = 400
-        # (caller, CLIENT span name) -> how many of its calls in a row nobody answered (a database); bounded
+        # What these four learned of a (caller, CLIENT span name) is kept for at most max_streams of them, the
+        # oldest forgotten first (see remember): a flood of one-off names must not fill them for good.
+        # (caller, CLIENT span name) -> how many of its calls in a row nobody answered (a database)
         self._never_answered: dict[tuple[str, str], int] = {}
-        # (caller, CLIENT span name) -> how many of its calls in a row were answered; bounded like the streams
+        # (caller, CLIENT span name) -> how many of its calls in a row were answered
         self._answered_run: dict[tuple[str, str], int] = {}
         # (caller, CLIENT span name) -> [what it said it called, names a place, said so in a row, calls since
-        # it was last read]; bounded like the streams
+        # it was last read]
         self._labels: dict[tuple[str, str], list] = {}
         # (caller, CLIENT span name) -> what its last unanswered call said it called, where it said something;
-        # bounded like the streams. Attribution reads it: a slow query's time was added in the database.
+        # attribution reads it: a slow query's time was added in the database.
         self.unanswered_peer: dict[tuple[str, str], str] = {}
         # Labels of unanswered calls that name a kind of thing (``mysql``), not a place: no locus (bounded).
         self.kinds: set[str] = set()
@@ -263,8 +267,7 @@ class LatencyWindows:
                     else:
                         peer, place = peer_label(span.attributes)
                         if memo is None:
-                            if len(labels) < self.max_streams:
-                                labels[calls] = [peer, place, 1, 1]
+                            remember(labels, calls, [peer, place, 1, 1], self.max_streams)
                         elif memo[0] == peer:
                             memo[2] += 1
                             memo[3] += 1
@@ -489,12 +492,12 @@ class LatencyWindows:
                     if chance == 0 and never.get(calls, 0) < _NEVER_ANSWERED:
                         later[1].append(record)
                         continue
-                    if chance == 1 and len(never) < self.max_streams:
-                        never[calls] = never.get(calls, 0) + 1
+                    if chance == 1:
+                        remember(never, calls, never.get(calls, 0) + 1, self.max_streams)
                     stream = (peer or unanswered, name, caller)
                     answered.pop(calls, None)  # its next calls are read again
-                    if place and (len(self.unanswered_peer) < self.max_streams or calls in self.unanswered_peer):
-                        self.unanswered_peer[calls] = peer
+                    if place:
+                        remember(self.unanswered_peer, calls, peer, self.max_streams)
                     elif not place and peer != unanswered and len(self.kinds) < self.max_streams:
                         self.kinds.add(peer)
                 else:
@@ -502,8 +505,7 @@ class LatencyWindows:
                         never.pop(calls, None)
                     run = answered.get(calls)
                     if run is None:
-                        if len(answered) < self.max_streams:
-                            answered[calls] = 1
+                        remember(answered, calls, 1, self.max_streams)
                     elif run < _TRUSTED_ANSWERED:
                         answered[calls] = run + 1
                     stream = (callee[0], callee[1], caller)
@@ -559,6 +561,21 @@ class LatencyWindows:
             self._roots.discard(stream)
         for bucket in [b for b in self._callees if b < horizon - 2 * self.window_ns]:
             del self._callees[bucket]
+
+
+def remember(table: dict[K, V], key: K, value: V, limit: int) -> None:
+    """``table[key] = value``, forgetting the oldest entries first so that it keeps at most ``limit`` keys.
+
+    >>> seen = {"a": 1, "b": 2}
+    >>> remember(seen, "c", 3, limit=2); seen
+    {'b': 2, 'c': 3}
+    >>> remember(seen, "b", 5, limit=2); seen  # a key it holds is updated in place
+    {'b': 5, 'c': 3}
+    """
+    if key not in table:
+        while len(table) >= limit:  # more than one only after a restart with a lower limit
+            del table[next(iter(table))]
+    table[key] = value
 
 
 def _slowest_per_trace(samples: list[Sample]) -> list[Sample]:

@@ -33,6 +33,9 @@ def normalize_url(url: str) -> str:
     return url
 
 
+SQLITE_HEAP_LIMIT = 128 * 2**20  # bytes of SQLite page caches (and the rest of its heap) in one process
+
+
 def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
     """Create the engine; SQLite gets WAL so API readers never block the writer.
 
@@ -60,6 +63,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
         cur.execute(f"PRAGMA synchronous={sqlite_synchronous}")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA cache_size=-65536")  # 64 MiB: keeps the span id index hot
+        # ... for the connection that writes. Each pooled connection has a cache of its own, and the API's
+        # readers fill theirs over hours (the soak saw the collector grow by them): the process's SQLite heap
+        # is capped as a whole, and past it the least recently used pages of any connection go first.
+        cur.execute(f"PRAGMA soft_heap_limit={SQLITE_HEAP_LIMIT}")
         cur.execute("PRAGMA temp_store=MEMORY")
         cur.close()
 

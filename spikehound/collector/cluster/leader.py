@@ -37,6 +37,7 @@ from spikehound.collector.detection_driver import CHECKPOINT_NAME, DetectionDriv
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.config import Config
 from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection
+from spikehound.heap import release_free_heap
 from spikehound.model import MetricPoint, Span
 from spikehound.otlp import spans_of_block
 from spikehound.storage import checkpoints, cluster
@@ -366,6 +367,7 @@ class DetectionLeader:
         with conn.begin():
             cluster.trim_feed(conn, self._cursors)
             cluster.prune_members(conn, PRUNE_MEMBERS_SECONDS)
+        release_free_heap()  # the pickle's tens of MB (spikehound/heap.py)
 
     def _fence(self, conn: Connection) -> None:
         if not cluster.still_leading(conn):
