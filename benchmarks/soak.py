@@ -30,8 +30,9 @@ At the end: every fault's recall (a spike starting between one window before its
 after it) and top cause (the first cause names the faulty service), per six hours of event time; spikes
 outside every fault (false), each put down to what was near it (a load swing's edge, a churned name,
 a generator's service pause, nothing); the RSS slope of each process after the first hour of wall time
-(the collector's pooled over its lives between kills); the database's band under retention. Written as
-JSON and a PNG (matplotlib, when installed: ``pip install '.[bench]'``) into ``--out``.
+(the collector's pooled over its lives between kills, each life from 5 minutes after its start: a restart's
+restore and catch-up are a step, shown by the RSS after it, not a trend); the database's band under
+retention. Written as JSON and a PNG (matplotlib, when installed: ``pip install '.[bench]'``) into ``--out``.
 
 A measurement: exits 0 whatever it finds, 1 only when the run could not be carried out.
 """

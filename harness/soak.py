@@ -40,6 +40,7 @@ from spikehound.units import NS
 WINDOW_S = 10.0  # the collector's default window: a spike may start one window before its fault
 FOUND_WITHIN_S = 120.0
 BLOCK_S = 6 * 3600  # recall is reported per six hours of event time
+LIFE_SETTLE_S = 300.0  # wall seconds of a collector life (its restore, its catch-up) left out of the RSS slope
 GAUGES = {"open_windows": "spikehound_latency_open_windows", "streams": "spikehound_latency_streams",
           "baselines": "spikehound_detector_streams", "resource_series": "spikehound_resource_series",
           "trace_buffer_spans": "spikehound_trace_buffer_spans",
@@ -112,6 +113,20 @@ def timed_get(url: str, timeout: float = 30) -> float | None:
     except requests.RequestException:
         return None
     return (time.perf_counter() - began) * 1000 if r.status_code == 200 else None
+
+
+def settled_samples(samples: list[dict[str, Any]], settle_s: float = LIFE_SETTLE_S) -> list[dict[str, Any]]:
+    """The samples taken ``settle_s`` or more after their collector life's first sample: a restart's restore
+    and catch-up are a step, not a trend (they are reported by the RSS after a restart).
+
+    >>> rows = [{"life": life, "wall_s": t} for life, t in ((1, 0), (1, 400), (2, 600), (2, 700), (2, 900))]
+    >>> [(s["life"], s["wall_s"]) for s in settled_samples(rows)]
+    [(1, 400), (2, 900)]
+    """
+    first: dict[int, float] = {}
+    for s in samples:
+        first.setdefault(s["life"], s["wall_s"])
+    return [s for s in samples if s["wall_s"] - first[s["life"]] >= settle_s]
 
 
 def pooled_slope(points: Iterable[tuple[float, float, int]]) -> float | None:
@@ -452,9 +467,10 @@ window_retention_days = {self.settings.window_days}
     def summary(self, plan: SoakPlan, acc: Accuracy, notifications: int) -> dict[str, Any]:
         hour = min(3600.0, self.settings.hours * 3600 / 2)  # "after the first hour" (half of a shorter run)
         late = [s for s in self.samples if s["wall_s"] >= hour]
+        settled = [s for s in settled_samples(self.samples) if s["wall_s"] >= hour]
 
         def slope(pick: Callable[[dict[str, Any]], dict[str, float] | None], life: bool) -> float | None:
-            pts = [(s["wall_s"] / 3600, f["rss_mb"], s["life"] if life else 0) for s in late
+            pts = [(s["wall_s"] / 3600, f["rss_mb"], s["life"] if life else 0) for s in (settled if life else late)
                    if (f := pick(s)) is not None]
             return pooled_slope(pts)
 
