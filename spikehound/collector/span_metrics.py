@@ -79,6 +79,11 @@ def le_label(bound: float) -> str:
     return format(bound, "g")
 
 
+def _label_chars(key: tuple[Any, ...]) -> int:
+    """Characters of a series key's string label values (what LABEL_CHARS_PER_SERIES budgets)."""
+    return sum(len(part) for part in key if isinstance(part, str))
+
+
 class _Histograms:
     """Per-key bucket counts in plain lists: ``row[i]`` counts durations in bucket i, ``row[-1]`` sums them (ns).
 
@@ -101,7 +106,7 @@ class _Histograms:
     def row_for_new(self, key: tuple[Any, ...]) -> list[int]:
         """The row a key without one gets: its own while both bounds allow, else the overflow row."""
         if len(self.rows) < self.max_series:  # once full, every span of a new key comes here: keep it cheap
-            chars = sum(len(part) for part in key if isinstance(part, str))
+            chars = _label_chars(key)
             if self.label_chars + chars <= self.max_label_chars:
                 self.label_chars += chars
                 row = self.rows[key] = self.new_row()
@@ -111,12 +116,12 @@ class _Histograms:
 
     def drop_idle(self, counted_before: dict[Any, int]) -> dict[Any, int]:
         """Drop the rows whose count is what ``counted_before`` (the last sweep's return) says; each row's count."""
-        counts = {}
+        counts: dict[Any, int] = {}
         for key, row in list(self.rows.items()):
             n = sum(row[:-1])
             if counted_before.get(key) == n:
                 del self.rows[key]
-                self.label_chars -= sum(len(part) for part in key if isinstance(part, str))
+                self.label_chars -= _label_chars(key)
             else:
                 counts[key] = n
         return counts
