@@ -24,7 +24,8 @@ from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.sequential import RecoveryEvidence
 from spikehound.detectors.settings import DetectionSettings
 from spikehound.detectors.stream_judge import StreamJudge
-from spikehound.model import Spike
+from spikehound.detectors.streams import StreamKey
+from spikehound.model import LatencyWindow, Spike
 from tests.support.alert_receivers import HookReceiver
 from tests.support.alert_spikes import ended, spike
 
@@ -100,6 +101,50 @@ def test_requests_of_a_spike_and_of_the_minute_before_it_are_not_learned():
     judge.quarantine = [(40 * NS, None)]  # still open: everything since is its
     assert judge.unclaimed([before, after]) == [before]
     assert judge.unclaimed([before, after], ended_only=True) == [before, after]
+
+
+def _window(judge: StreamJudge, start_s: int, durations_ms: list[int]) -> None:
+    """One closed window of a sparse hop, judged and settled with no spike of its own."""
+    samples = [(d * 1_000_000, f"t{start_s}-{i}".encode(), b"s", start_s * NS + NS) for i, d in enumerate(durations_ms)]
+    window = LatencyWindow(service="notify", operation="POST /notify", start_unix_nano=start_s * NS,
+                           end_unix_nano=(start_s + 10) * NS, count=len(samples), p50_ns=0, p95_ns=0,
+                           p99_ns=max(d for d, *_ in samples), max_ns=max(d for d, *_ in samples),
+                           peer_service="cancel", samples=tuple(sorted(samples)))
+    judge.settle(judge.judge(window), None)
+
+
+def test_a_stream_too_new_to_judge_does_not_learn_a_fault_that_a_spike_elsewhere_claimed():
+    # A sparse hop, 16 calls learned, not warm yet: a 1.8 s call stands out from its 70-80 ms.
+    settings = DetectionSettings()
+    claimed, unclaimed = StreamJudge(settings), StreamJudge(settings)
+    for judge in (claimed, unclaimed):
+        for minute in range(16):
+            _window(judge, minute * 60, [70 + minute % 10])
+        _window(judge, 1000, [1800])
+    # A spike elsewhere opened at 1020 s (its quarantine takes the minute before); the other judge saw none.
+    claimed.quarantine = [(960 * NS, 1300 * NS)]
+    for judge in (claimed, unclaimed):
+        for start in range(1060, 1400, 60):  # calm calls until the held one is due
+            _window(judge, start, [75])
+    assert claimed.baseline_ns(StreamKey("notify", "POST /notify", "cancel")) < 100_000_000  # dropped
+    assert unclaimed.baseline_ns(StreamKey("notify", "POST /notify", "cancel")) == 1_800_000_000  # a real tail
+
+
+def test_a_stream_too_new_to_judge_drops_a_cluster_of_slow_requests_but_learns_a_lasting_shift():
+    judge = StreamJudge(DetectionSettings())
+    key = StreamKey("notify", "POST /notify", "cancel")
+    for minute in range(16):
+        _window(judge, minute * 60, [70 + minute % 10])
+    # A fault nobody could judge: a slow call every 40 s for three minutes, then calm calls.
+    for start in range(1000, 1180, 40):
+        _window(judge, start, [1800])
+    for start in range(1200, 1500, 60):
+        _window(judge, start, [75])
+    assert judge.baseline_ns(key) < 100_000_000  # none of the cluster was learned
+    # A lasting shift (a slower release) is learned once it has stood out for 20 minutes.
+    for start in range(1500, 1500 + 40 * 60, 60):
+        _window(judge, start, [900])
+    assert judge.baseline_ns(key) == 900_000_000
 
 
 def test_each_return_of_a_fault_is_a_new_firing_message_even_within_the_resolve_wait():

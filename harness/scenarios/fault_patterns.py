@@ -14,10 +14,15 @@ of the same traffic (about 45 user requests a minute through ~40 services):
 - :func:`back_to_back`: 2 or 3 faults on different services (of 2 calls a
   minute or more), each starting 1 to 4 minutes after the one before it
   ended;
-- :func:`long_faults`: one fault of 20 to 40 minutes.
+- :func:`long_faults`: one fault of 20 to 40 minutes;
+- :func:`chaos`: a chaos campaign, as recorded from real benchmarks: a fault of
+  3 to 4 minutes every 7 to 8 minutes for hours, often 2 or 3 in a row on the
+  same service, from 10 minutes after the start, so that sparse streams are
+  still learning what normal is while faults come and go.
 
-Each pattern is followed by at least 12 minutes of clean traffic, after a
-20-minute warm-up. Everything follows from the seed; nothing was fitted.
+Each pattern of the first three is followed by at least 12 minutes of clean
+traffic, after a 20-minute warm-up. Everything follows from the seed; nothing
+was fitted.
 
 >>> tl = recurrences(5)
 >>> len({f.service for f in tl.faults}) < len(tl.faults), all(180 <= f.duration_s <= 300 for f in tl.faults)
@@ -33,7 +38,7 @@ import random
 
 from harness.scenarios.mesh_traffic import FAULT_KINDS, GATEWAY, MeshFault, MeshTimeline, reach
 
-__all__ = ["FAMILIES", "back_to_back", "busy_services", "long_faults", "recurrences", "sparse_services"]
+__all__ = ["FAMILIES", "back_to_back", "busy_services", "chaos", "long_faults", "recurrences", "sparse_services"]
 
 _WARM_UP_S = 20 * 60.0
 _CLEAN_AFTER_S = 12 * 60.0
@@ -116,5 +121,23 @@ def long_faults(seed: int, hours: float = 1.5) -> MeshTimeline:
                         **_shape(seed))  # type: ignore[arg-type]
 
 
+def chaos(seed: int, hours: float = 3.0) -> MeshTimeline:
+    """A fault of 3 to 4 minutes every 7 to 8 minutes (onset to onset) from minute 10, 1 to 3 in a row on one
+    service (of 2 calls a minute or more), of one kind and size per run."""
+    rng = random.Random(f"chaos/{seed}")
+    targets = sorted(s for s, share in reach().items() if s != GATEWAY and share * _RATE_PER_MIN >= 2.0)
+    faults: list[MeshFault] = []
+    t, end = 10 * 60.0, hours * 3600 - 5 * 60
+    while True:
+        kind, service = FAULT_KINDS[rng.randrange(len(FAULT_KINDS))], rng.choice(targets)
+        size = _size(rng, kind)
+        for _ in range(rng.choice((1, 1, 2, 2, 3))):
+            duration = rng.uniform(180, 240)
+            if t + duration > end:
+                return MeshTimeline(seed, hours=hours, faults=faults, **_shape(seed))  # type: ignore[arg-type]
+            faults.append(MeshFault(kind, service, t, duration, size))
+            t += rng.uniform(420, 480)
+
+
 # name -> generator of one timeline per seed
-FAMILIES = {"recurrence": recurrences, "back-to-back": back_to_back, "long": long_faults}
+FAMILIES = {"recurrence": recurrences, "back-to-back": back_to_back, "long": long_faults, "chaos": chaos}

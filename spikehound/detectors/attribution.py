@@ -60,6 +60,9 @@ __all__ = ["NormalProfile", "TraceBreakdown", "attribute", "breakdown"]
 # (kind, service, operation, peer service); see the module docstring.
 Key = tuple[str, str, str | None, str | None]
 SPECIFIC_SPAN_SHARE = 0.6  # a span holding this much of its service's growth is the better answer
+# A caller's network ranks behind the network of the callee its slowed hops went to unless it grew this much
+# more: its own fault would have slowed the hops into it too, not only its calls to that callee.
+CALLER_NETWORK_MARGIN = 1.25
 MIN_SCORE = 0.05  # components explaining less than 5 % of the added latency are not causes
 UNANSWERED = ""  # the peer of a span component that is a CLIENT span no server answered
 MAX_COMPONENTS = 64  # components a breakdown keeps (its largest); a normal profile keeps twice as many
@@ -173,6 +176,7 @@ def attribute(slow: Sequence[TraceBreakdown], profile: NormalProfile, flags: Seq
                     continue  # a service's network that is mostly one hop or call says nothing that one does not
                 rank_score = top_part / denominator - 1e-9  # just behind its dominant span
         ranked.append((rank_score, key))
+    ranked = _callers_behind_callees(ranked, growth)
     ranked.sort(key=lambda item: _rank_key(item, growth))
 
     causes: list[Cause] = []
@@ -213,6 +217,29 @@ def _part_of(part: Key, rollup: Key) -> bool:
     if part[0] == "span":
         return part[3] == UNANSWERED and part[1] == rollup[1]
     return part[0] == "network" and part[2] is not None and rollup[1] in (part[1], part[3])
+
+
+def _callers_behind_callees(ranked: list[tuple[float, Key]], growth: dict[Key, float]) -> list[tuple[float, Key]]:
+    """A service's network whose largest part is a hop it made goes just behind the network of that hop's
+    callee when the callee's explains nearly as much (within ``CALLER_NETWORK_MARGIN``).
+
+    Both sums hold the same slowed hops, and both scores are capped at 1: a request that also waited a little
+    longer on its way into the caller would otherwise put the caller first. A delay in front of a service
+    slows every call into it, from any caller; the caller's own network would have slowed its inbound hops as
+    well, and grows by far more than its callee's then.
+    """
+    scores = {key: score for score, key in ranked}
+    out = []
+    for score, key in ranked:
+        if key[0] == "network" and key[2] is None:
+            parts = [k for k in growth if _part_of(k, key)]
+            top = max(parts, key=lambda k: growth[k], default=None)
+            callee: Key | None = ("network", top[1], None, None) if top is not None and top[0] == "network" \
+                and top[1] != key[1] else None
+            if callee is not None and callee in scores and growth[key] < CALLER_NETWORK_MARGIN * growth[callee]:
+                score = min(score, scores[callee] - 1e-9)
+        out.append((score, key))
+    return out
 
 
 def _rank_key(item: tuple[float, Key], growth: dict[Key, float]) -> tuple[float, int, str, str, str, str]:

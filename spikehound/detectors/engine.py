@@ -44,7 +44,7 @@ from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Me
 __all__ = ["CHECKPOINT_FORMAT", "Detection", "DetectionEngine"]
 
 # Bump when the pickled state's layout changes: an older checkpoint is then ignored, not misread.
-CHECKPOINT_FORMAT = 5
+CHECKPOINT_FORMAT = 6
 MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outage of the gateway moves them all
 _WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows
@@ -328,9 +328,15 @@ class DetectionEngine:
                     if member is not None and member.over_baseline:
                         self.incidents.observe_window(incident, j.elevated or j.dense, j.window_end_ns)
                     continue
-                for surprise, (_, trace_id, _, end) in j.scored:
+                for surprise, (_, trace_id, span_id, end) in j.scored:
                     if direct or self.traces.touches(trace_id, incident.locus):
-                        views.append((end, trace_id, surprise >= s.slow_surprise, j.window_end_ns, j.stream))
+                        slow = surprise >= s.slow_surprise
+                        if slow and not direct:
+                            where, caller = self._trace_locus(j.stream, trace_id, span_id)
+                            # It went through the locus, but its time was added elsewhere (a stall in another
+                            # service, not on a hop into or out of the locus): the locus let it through.
+                            slow = where in ("", incident.locus) or caller == incident.locus
+                        views.append((end, trace_id, slow, j.window_end_ns, j.stream))
             if views:
                 self.incidents.observe(incident, views)
 

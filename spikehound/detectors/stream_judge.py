@@ -52,6 +52,8 @@ from spikehound.units import NS
 RECENT_NS = 600 * NS  # a stream judged in the last ten minutes (event time) is one of the hypotheses tested
 SEQUENTIAL_MAX = 256  # requests of one window the sequential test reads (a busy one is thinned to this)
 STRAGGLER_NS = 300 * NS  # how long after a spike ended a request of a trace begun during it may start
+FAR_OUT = 3.0  # an unproven request this many times a new stream's slowest counts toward a cluster
+COLD_SHIFT_NS = 1200 * NS  # a stream too new to judge whose requests stand out in clusters this long: a new normal
 EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
 
 __all__ = ["Judgement", "StreamJudge", "tail_band"]
@@ -97,6 +99,10 @@ class _StreamState:
     recent: deque[tuple[int, int, tuple[Sample, ...]]] = field(default_factory=deque)
     # (window start, its durations) not learned yet: the evidence was above zero
     pending: list[tuple[int, list[int]]] = field(default_factory=list)
+    # [window start, its durations, in a cluster (None: too near to count)] that stood out while the stream was
+    # too new to judge them (see _unproven), and since when they have come in clusters (None: the last did not)
+    unproven: list[list] = field(default_factory=list)
+    clustered_since: int | None = None
     incident: str | None = None
     incident_windows: int = 0
     last_end_ns: int = 0
@@ -176,6 +182,7 @@ class StreamJudge:
         if incident is not None and state.incident != incident:
             state.incident, state.incident_windows = incident, 0
             state.pending.clear()  # the requests before it belonged to the rise
+            state.unproven.clear()
         if state.incident is not None:
             state.incident_windows += 1
             if state.incident_windows < s.adapt_after_windows:
@@ -198,7 +205,9 @@ class StreamJudge:
         self._learn_held(state, state.pending)
         state.pending.clear()
         if not doubtful:
-            self._learn(state, learnable)
+            self._learn(state, self._unproven(state, j.window_start_ns, learnable))
+        if state.unproven and state.unproven[0][0] <= j.window_start_ns - self.proving_ns:
+            self._prove(state, j.window_start_ns - self.proving_ns)
 
     def release(self, stream: StreamKey) -> None:
         """The stream's incident resolved: its evidence starts again from zero."""
@@ -317,6 +326,59 @@ class StreamJudge:
             SequentialEvidence(drift=s.surprise_drift, slow_surprise=s.slow_surprise))
         self._streams[stream] = state
         return state
+
+    def _unproven(self, state: _StreamState, window_start_ns: int, durations: list[int]) -> list[int]:
+        """``durations`` less those held back as unproven, which are kept in ``state.unproven``.
+
+        A stream too new to be judged (its pool short of ``grace_requests``) cannot tell a fault from its normal
+        tail, and a sparse hop can take an hour to become warm: one fault request learned then would set its
+        p99 to the fault's for as long as the pool holds it, blind to the fault's return. So a request that
+        stands out from what such a stream learned (slower than its slowest by ``min_rise`` and
+        ``min_abs_rise_ns``) waits until a spike somewhere would have claimed its time (:meth:`_prove`).
+        """
+        tail = state.tail
+        if tail.warm or not tail.n_learned:
+            return durations
+        s = self.settings
+        slowest = tail.quantile(1.0)
+        bar = max(slowest * (1 + s.min_rise), slowest + s.min_abs_rise_ns)
+        standing_out = [d for d in durations if d > bar]
+        if not standing_out:
+            return durations
+        far = [d for d in standing_out if d > FAR_OUT * slowest]
+        if far:
+            state.unproven.append([window_start_ns, far, False])
+        if len(far) < len(standing_out):
+            state.unproven.append([window_start_ns, [d for d in standing_out if d <= FAR_OUT * slowest], None])
+        recent = [e for e in state.unproven if e[0] > window_start_ns - self.proving_ns and e[2] is not None]
+        if far and sum(len(e[1]) for e in recent) > s.min_slow_requests:
+            # More far-out ones within a few minutes than a spike needs: the rise a stream this new cannot
+            # judge. (Nearer ones come in runs from a heavy tail that a short pool has not seen yet.)
+            for e in recent:
+                e[2] = True
+            if state.clustered_since is None:
+                state.clustered_since = recent[0][0]
+        return [d for d in durations if d <= bar]
+
+    def _prove(self, state: _StreamState, before_ns: int) -> None:
+        """Settle the unproven requests of windows that started before ``before_ns``: a lone one is learned (the
+        normal tail), unless a spike claimed its time; those that came in a cluster are dropped, unless the
+        stream has had nothing but clusters for ``COLD_SHIFT_NS``: then that is its new normal."""
+        cut = bisect.bisect_right(state.unproven, before_ns, key=itemgetter(0))
+        for start, durations, clustered in state.unproven[:cut]:
+            if not clustered:  # alone, or not far out (None)
+                state.clustered_since = None
+                self._learn_held(state, [(start, durations)])
+            elif state.clustered_since is not None and start - state.clustered_since >= COLD_SHIFT_NS:
+                self._learn_held(state, [(start, durations)])
+        del state.unproven[:cut]
+
+    @property
+    def proving_ns(self) -> int:
+        """How long an unproven request waits: a spike opens up to a merged test's reach after its onset, and
+        claims the minute before that."""
+        s = self.settings
+        return s.quarantine_before_ns + s.max_merge_windows * s.window_ns
 
     def _learn_held(self, state: _StreamState, held: list[tuple[int, list[int]]]) -> None:
         for start, durations in held:
