@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,8 +84,10 @@ class TailSurprise(base.AnomalyDetector):
         self.min_rise = min_rise
         self.min_abs_rise = min_abs_rise
         self.max_surprise = max_surprise
-        self._ring: deque[float] = deque()
-        self._sorted: list[float] = []
+        # Flat arrays of doubles, not lists of float objects: thousands of streams' pools were millions of small
+        # objects that lived for hours, and each one learned after a burst pinned the burst's freed memory.
+        self._ring = array("d")  # in learning order
+        self._sorted = array("d")
         self._array: np.ndarray | None = None  # _sorted as an array, rebuilt after learning
         self._spread = 0.0  # log-scale spread of the pool, for the tail beyond its maximum
         self.n_learned = 0
@@ -97,7 +99,8 @@ class TailSurprise(base.AnomalyDetector):
     def learn_one(self, x: dict[str, Any]) -> None:
         value = max(float(x["duration"]), 1.0)
         if len(self._ring) >= self.pool_size:
-            old = self._ring.popleft()
+            old = self._ring[0]
+            del self._ring[0]
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._ring.append(value)
         bisect.insort(self._sorted, value)
@@ -146,7 +149,7 @@ class TailSurprise(base.AnomalyDetector):
 
     def _pool(self) -> np.ndarray:
         if self._array is None:
-            self._array = np.asarray(self._sorted, dtype=np.float64)
+            self._array = np.array(self._sorted, dtype=np.float64)  # a copy: the pool must stay resizable
             median, p90 = self.quantile(0.5), self.quantile(0.9)
             self._spread = max(math.log(p90 / median) / _Z90, 0.1)
         return self._array

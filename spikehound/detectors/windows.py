@@ -30,7 +30,8 @@ latency some request really had, never an interpolation between two.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
@@ -47,6 +48,12 @@ from spikehound.model import LatencyWindow, Span, SpanKind
 __all__ = ["LatencyWindows", "RouteOf", "Sample", "nearest_rank", "remember"]
 
 Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end ns)
+# An open window's requests of one stream, as columns: durations, trace ids, span ids, ends. Columns, not a
+# tuple per request: a catch-up holds hundreds of thousands of requests, and a small object each (a tuple,
+# two ints) left Python's heap in pieces after they were freed (see Columns).
+Columns = tuple[array, list[bytes], list[bytes], array]
+# The calls of one (caller, CLIENT span name, what it said it called, whether that names a place) in a window.
+HopKey = tuple[str, str, str | None, bool]
 # (trace id, entry span id) -> the operations the entry's own calls reached, for splitting a generic entry
 RouteOf = Callable[[bytes, bytes], list[str]]
 _GENERIC_CACHE_LIMIT = 4096
@@ -172,12 +179,13 @@ class LatencyWindows:
 
         self.late_spans = 0
         self.overflow_spans = 0
-        # window start -> stream -> samples. Keyed by start first so that closing walks only the few oldest
+        # window start -> stream -> its requests. Keyed by start first so that closing walks only the few oldest
         # starts, not every stream.
-        self._open: dict[int, dict[StreamKey, list[Sample]]] = {}
+        self._open: dict[int, dict[StreamKey, Columns]] = {}
         # Samples whose stream is known only when their window closes: CLIENT spans (by the callee that
-        # answered them) and generic entries without a route (by where they went). window start -> records.
-        self._hops_open: dict[int, list[tuple[int, bytes, bytes, int, str, str, str | None, bool]]] = {}
+        # answered them, window start -> their caller's key -> its calls) and generic entries without a route
+        # (by where they went, window start -> records).
+        self._hops_open: dict[int, dict[HopKey, Columns]] = {}
         self._generic_open: dict[int, list[tuple[int, bytes, bytes, int, str, str, bool]]] = {}
         # Records that could not be named when their window closed, waiting for the next (see _name_late_streams):
         # window start -> (generic entries, hops).
@@ -193,6 +201,7 @@ class LatencyWindows:
         self._streams: dict[StreamKey, int] = {}
         self._roots: set[StreamKey] = set()  # streams of trace roots: what users see
         self._generic: dict[str, bool] = {}  # operation name -> is_generic_operation (a bounded cache)
+        self._callee_names: dict[tuple[str, str], tuple[str, str]] = {}  # (service, name) -> itself, shared
         self._max_end: int | None = None
         # Stored so that an idle advance is never undone by the next add(): a window once emitted must
         # stay closed.
@@ -215,7 +224,7 @@ class LatencyWindows:
         window_ns, lateness, hops = self.window_ns, self.allowed_lateness_ns, self.hops
         server, client = SpanKind.SERVER, SpanKind.CLIENT
         open_, streams, generic, callees = self._open, self._streams, self._generic, self._callees
-        hops_open, answered, labels = self._hops_open, self._answered_run, self._labels
+        hops_open, answered, labels, names = self._hops_open, self._answered_run, self._labels, self._callee_names
         max_end, watermark, late = self._max_end, self._watermark, 0
         hold = self.hold
         for span in spans:
@@ -238,7 +247,15 @@ class LatencyWindows:
                     callees[start] = bucket = {}
                 # Keyed by trace and parent: span ids are unique only within a trace, and another sender's
                 # reused id must not rename someone else's hop.
-                bucket[span.trace_id + parent] = (span.service, span.name)
+                callee = (span.service, span.name)
+                # One shared (service, name) per callee, not one per span: a catch-up holds these by the
+                # hundred thousand (a bounded cache, like _generic).
+                shared = names.get(callee)
+                if shared is None:
+                    if len(names) >= _GENERIC_CACHE_LIMIT:
+                        names.clear()
+                    names[callee] = shared = callee
+                bucket[span.trace_id + parent] = shared
             if watermark is not None and start + window_ns <= watermark and (hold is None or start + window_ns <= hold):
                 # Its window is closed (maybe already emitted): counting it now would change a result that
                 # was already reported.
@@ -275,9 +292,15 @@ class LatencyWindows:
                             memo[0], memo[1], memo[2], memo[3] = peer, place, 1, 1
                 pending = hops_open.get(start)
                 if pending is None:
-                    hops_open[start] = pending = []
-                # Flat, of atoms only: the garbage collector stops tracking such a tuple after one look.
-                pending.append((duration, span.trace_id, span.span_id, end, span.service, name, peer, place))
+                    hops_open[start] = pending = {}
+                key = (span.service, name, peer, place)
+                held = pending.get(key)
+                if held is None:
+                    pending[key] = held = (array("q"), [], [], array("q"))
+                held[0].append(duration)
+                held[1].append(span.trace_id)
+                held[2].append(span.span_id)
+                held[3].append(end)
                 continue
             is_generic = generic.get(name)
             if is_generic is None:
@@ -303,10 +326,13 @@ class LatencyWindows:
             by_stream = open_.get(start)
             if by_stream is None:
                 open_[start] = by_stream = {}
-            samples = by_stream.get(stream)  # type: ignore[call-overload]
-            if samples is None:
-                by_stream[stream] = samples = []  # type: ignore[index]
-            samples.append((duration, span.trace_id, span.span_id, end))
+            held = by_stream.get(stream)  # type: ignore[call-overload]
+            if held is None:
+                by_stream[stream] = held = (array("q"), [], [], array("q"))  # type: ignore[index]
+            held[0].append(duration)
+            held[1].append(span.trace_id)
+            held[2].append(span.span_id)
+            held[3].append(end)
         self._max_end, self._watermark = max_end, watermark
         self.late_spans += late
 
@@ -370,9 +396,9 @@ class LatencyWindows:
         for pending in (self._open, self._hops_open, self._generic_open, self._callees, self._second_chance):
             for start in [s for s in pending if s >= latest_ns]:
                 del pending[start]
-        ends = [sample[3] for by_stream in self._open.values() for samples in by_stream.values() for sample in samples]
-        ends += [record[3] for records in (*self._hops_open.values(), *self._generic_open.values())
-                 for record in records]
+        ends = [max(held[3]) for by_window in (*self._open.values(), *self._hops_open.values())
+                for held in by_window.values()]
+        ends += [record[3] for records in self._generic_open.values() for record in records]
         self._max_end = max(ends, default=None)
         self._watermark = None if self._max_end is None else self._max_end - self.allowed_lateness_ns
         for stream, last in self._streams.items():
@@ -481,7 +507,7 @@ class LatencyWindows:
         here, before, ahead, long_before = (self._callees.get(b, empty) for b in (start, start - w, start + w,
                                                                                     start - 2 * w))
         unanswered, never, answered = UNINSTRUMENTED, self._never_answered, self._answered_run
-        for chance, records in enumerate((self._hops_open.pop(start, ()), retried[1])):
+        for chance, records in enumerate((_hop_records(self._hops_open.pop(start, {})), retried[1])):
             for record in records:
                 duration, trace_id, span_id, end, caller, name, peer, place = record
                 calls = (caller, name)
@@ -526,7 +552,7 @@ class LatencyWindows:
     def _emit(self, starts: Sequence[int]) -> list[LatencyWindow]:
         out: list[LatencyWindow] = []
         for start in starts:
-            by_stream = self._open.pop(start, {})
+            by_stream = {stream: list(zip(*held, strict=True)) for stream, held in self._open.pop(start, {}).items()}
             self._name_late_streams(start, by_stream)
             for stream in sorted(by_stream, key=lambda k: (k[0], k[1], k[2] or "")):
                 samples = by_stream[stream]
@@ -576,6 +602,13 @@ def remember(table: dict[K, V], key: K, value: V, limit: int) -> None:
         while len(table) >= limit:  # more than one only after a restart with a lower limit
             del table[next(iter(table))]
     table[key] = value
+
+
+def _hop_records(by_key: dict[HopKey, Columns]) -> Iterator[tuple[int, bytes, bytes, int, str, str, str | None, bool]]:
+    """A window's calls as records: (duration, trace id, span id, end, caller, name, peer, names a place)."""
+    for (caller, name, peer, place), (durations, traces, spans, ends) in by_key.items():
+        for duration, trace_id, span_id, end in zip(durations, traces, spans, ends, strict=True):
+            yield duration, trace_id, span_id, end, caller, name, peer, place
 
 
 def _slowest_per_trace(samples: list[Sample]) -> list[Sample]:
