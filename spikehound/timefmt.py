@@ -2,14 +2,18 @@
 
 >>> rfc3339(1_700_000_000_123_456_789)
 '2023-11-14T22:13:20.123456789Z'
+>>> rfc3339(-(2**63)), rfc3339(2**63 - 1)  # the ends of what storage holds
+('1677-09-21T00:12:43.145224192Z', '2262-04-11T23:47:16.854775807Z')
 >>> parse_time("2023-11-14T22:13:20.5Z"), parse_time("1700000000.5")
 (1700000000500000000, 1700000000500000000)
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from datetime import UTC, datetime
+import time
+from datetime import datetime
 
 from spikehound.units import NS
 
@@ -23,8 +27,14 @@ def rfc3339(unix_nano: int | None) -> str | None:
     if unix_nano is None:
         return None
     seconds, frac = divmod(unix_nano, NS)
-    stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    stamp = _second(seconds)
     return f"{stamp}.{frac:09d}Z" if frac else f"{stamp}Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _second(seconds: int) -> str:
+    # The spike list formats thousands of times, most of them window starts: the same few seconds.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 # ASCII digits only: \d would also match other scripts' digits, which int() reads, or '²', which it refuses.

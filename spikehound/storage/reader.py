@@ -230,18 +230,26 @@ class Reader:
             return []
         c, a = schema.causes, schema.spike_streams
         ids = [r.id for r in rows]
+        # Plain tuples, fetched at once: the spike list reads a thousand stream rows, and a Row's attribute
+        # lookups (and a fetch per row) were most of its time.
         causes: dict[str, list[Cause]] = {}
-        for r in conn.execute(select(c).where(c.c.spike_id.in_(ids)).order_by(c.c.spike_id, c.c.rank)):
-            causes.setdefault(r.spike_id, []).append(Cause(
-                kind=CauseKind(r.kind), score=r.score, summary=r.summary, service=r.service,
-                operation=r.operation, peer_service=r.peer_service, host=r.host, resource=r.resource,
-                baseline=r.baseline, observed=r.observed, unit=r.unit))
+        for spike_id, kind, score, summary, service, operation, peer, host, resource, baseline, observed, unit in (
+                conn.execute(select(c.c.spike_id, c.c.kind, c.c.score, c.c.summary, c.c.service, c.c.operation,
+                                    c.c.peer_service, c.c.host, c.c.resource, c.c.baseline, c.c.observed, c.c.unit)
+                             .where(c.c.spike_id.in_(ids)).order_by(c.c.spike_id, c.c.rank)).all()):
+            causes.setdefault(spike_id, []).append(Cause(
+                kind=CauseKind(kind), score=score, summary=summary, service=service, operation=operation,
+                peer_service=peer, host=host, resource=resource, baseline=baseline, observed=observed, unit=unit))
         affected: dict[str, list[AffectedStream]] = {}
-        for r in conn.execute(select(a).where(a.c.spike_id.in_(ids)).order_by(a.c.spike_id, a.c.rank)):
-            affected.setdefault(r.spike_id, []).append(AffectedStream(
-                service=r.service, operation=r.operation, peer_service=r.peer_service, start_unix_nano=r.start_ns,
-                last_anomalous_end_unix_nano=r.last_anomalous_end_ns, p99_ns=r.p99_ns,
-                baseline_p99_ns=r.baseline_p99_ns, evidence=r.evidence, slow_requests=r.slow_requests))
+        for spike_id, service, operation, peer, start, last_end, p99, baseline_p99, evidence, slow in (
+                conn.execute(select(a.c.spike_id, a.c.service, a.c.operation, a.c.peer_service, a.c.start_ns,
+                                    a.c.last_anomalous_end_ns, a.c.p99_ns, a.c.baseline_p99_ns, a.c.evidence,
+                                    a.c.slow_requests)
+                             .where(a.c.spike_id.in_(ids)).order_by(a.c.spike_id, a.c.rank)).all()):
+            affected.setdefault(spike_id, []).append(AffectedStream(
+                service=service, operation=operation, peer_service=peer, start_unix_nano=start,
+                last_anomalous_end_unix_nano=last_end, p99_ns=p99, baseline_p99_ns=baseline_p99, evidence=evidence,
+                slow_requests=slow))
         return [Spike(id=r.id, service=r.service, operation=r.operation, state=r.state,
                       start_unix_nano=r.start_ns, end_unix_nano=r.end_ns, p99_ns=r.p99_ns,
                       baseline_p99_ns=r.baseline_p99_ns, causes=tuple(causes.get(r.id, ())),
