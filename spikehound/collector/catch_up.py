@@ -52,7 +52,7 @@ __all__ = ["MOST_SECONDS", "MOST_SPANS", "NO_DATA_YET", "CatchUp", "close_held",
 
 NO_DATA_YET = -(2**62)  # a hold set before any span: nothing may close
 MOST_SECONDS = 600.0  # a sender that never drains must not hold the windows for ever
-MOST_SPANS = 5_000_000  # spans arrived while held: at most about 1 GB of held window entries
+MOST_SPANS = 5_000_000  # spans arrived while held: at most about 400 MB of held window entries (columns)
 
 
 class CatchUp:
