@@ -28,7 +28,9 @@ before its onset (:attr:`StreamJudge.quarantine`), no stream learns a window
 that held evidence or was elevated, and windows held back for later learning
 that fall in that time are dropped. An incident open for
 ``adapt_after_windows`` windows is taken as the new normal: its streams learn
-again.
+again. A stream too new to be judged holds back the requests that stand out
+from what it learned, and drops them if a spike claimed their time or they came
+in a cluster (see :meth:`StreamJudge._unproven`).
 """
 
 from __future__ import annotations
