@@ -56,6 +56,15 @@ def test_two_slow_requests_far_over_normal_open_a_spike_and_one_does_not():
     assert event.kind == "opened" and event.incident.lead == HOP and event.incident.evidence == 6.2
 
 
+def test_a_sparse_leads_p99_counts_the_slow_requests_that_opened_the_spike():
+    # The window that opened it held none of them (they ended in earlier windows): its p99 is still theirs.
+    book = IncidentBook(DetectionSettings())
+    group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})
+    (event,) = book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    lead = event.incident.members[event.incident.lead]
+    assert lead.peak_p99_ns == 2 * NS > lead.baseline_ns
+
+
 def test_a_slow_request_counts_once_however_many_streams_it_slowed():
     book = IncidentBook(DetectionSettings())
     # The same two traces slowed the route, the hop into the service and the service's own stream: still

@@ -383,6 +383,12 @@ class IncidentBook:
             any_j = next(iter(group.members.values()))
             start = incident_onset(ends, any_j.window_end_ns - any_j.window_start_ns)
         members = {stream: _member(j, group, start) for stream, j in group.members.items()}
+        for stream, member in members.items():
+            # A sparse stream's p99 is its slowest request: the slow ones that built its evidence count too,
+            # though they ended in earlier windows than the one that opened the spike.
+            evidence = evidence_of(stream)
+            if evidence is not None and evidence.slow:
+                member.peak_p99_ns = max(member.peak_p99_ns, max(r.duration_ns for r in evidence.slow))
         # The lead is one whose p99 rose: a number the user reads must make sense.
         rose = [m for m in members.values() if m.peak_p99_ns > m.baseline_ns] or list(members.values())
         lead = min(rose, key=lambda m: m.rank).stream
