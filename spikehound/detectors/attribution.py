@@ -231,15 +231,20 @@ def _callers_behind_callees(ranked: list[tuple[float, Key]], growth: dict[Key, f
     scores = {key: score for score, key in ranked}
     out = []
     for score, key in ranked:
-        if key[0] == "network" and key[2] is None:
-            parts = [k for k in growth if _part_of(k, key)]
-            top = max(parts, key=lambda k: growth[k], default=None)
-            callee: Key | None = ("network", top[1], None, None) if top is not None and top[0] == "network" \
-                and top[1] != key[1] else None
-            if callee is not None and callee in scores and growth[key] < CALLER_NETWORK_MARGIN * growth[callee]:
+        top = _largest_part(key, growth)
+        if top is not None and top[0] == "network" and top[1] != key[1]:
+            callee: Key = ("network", top[1], None, None)
+            if callee in scores and growth[key] < CALLER_NETWORK_MARGIN * growth[callee]:
                 score = min(score, scores[callee] - 1e-9)
         out.append((score, key))
     return out
+
+
+def _largest_part(key: Key, growth: dict[Key, float]) -> Key | None:
+    """The component that grew most of those summed into a service's network ``key`` (None for other keys)."""
+    if key[0] != "network" or key[2] is not None:
+        return None
+    return max((k for k in growth if _part_of(k, key)), key=lambda k: growth[k], default=None)
 
 
 def _rank_key(item: tuple[float, Key], growth: dict[Key, float]) -> tuple[float, int, str, str, str, str]:
@@ -247,11 +252,8 @@ def _rank_key(item: tuple[float, Key], growth: dict[Key, float]) -> tuple[float,
     hop it made (the same hops slowed its callee's network) or a call nobody answered (a slow database is
     no more the caller's network than its service)."""
     score, key = item
-    behind = 0
-    if key[0] == "network" and key[2] is None:
-        parts = [k for k in growth if _part_of(k, key)]
-        top = max(parts, key=lambda k: growth[k], default=None)
-        behind = int(top is not None and (top[0] == "span" or top[1] != key[1]))
+    top = _largest_part(key, growth)
+    behind = int(top is not None and (top[0] == "span" or top[1] != key[1]))
     return (-round(score, 9), behind, key[0], key[1], key[2] or "", key[3] or "")
 
 

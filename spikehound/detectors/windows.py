@@ -50,7 +50,7 @@ __all__ = ["LatencyWindows", "RouteOf", "Sample", "nearest_rank", "remember"]
 Sample = tuple[int, bytes, bytes, int]  # (duration ns, trace id, span id, end ns)
 # An open window's requests of one stream, as columns: durations, trace ids, span ids, ends. Columns, not a
 # tuple per request: a catch-up holds hundreds of thousands of requests, and a small object each (a tuple,
-# two ints) left Python's heap in pieces after they were freed (see Columns).
+# two ints) left Python's heap in pieces after they were freed.
 Columns = tuple[array, list[bytes], list[bytes], array]
 # The calls of one (caller, CLIENT span name, what it said it called, whether that names a place) in a window.
 HopKey = tuple[str, str, str | None, bool]
@@ -296,7 +296,7 @@ class LatencyWindows:
                 key = (span.service, name, peer, place)
                 held = pending.get(key)
                 if held is None:
-                    pending[key] = held = (array("q"), [], [], array("q"))
+                    pending[key] = held = _columns()
                 held[0].append(duration)
                 held[1].append(span.trace_id)
                 held[2].append(span.span_id)
@@ -328,7 +328,7 @@ class LatencyWindows:
                 open_[start] = by_stream = {}
             held = by_stream.get(stream)  # type: ignore[call-overload]
             if held is None:
-                by_stream[stream] = held = (array("q"), [], [], array("q"))  # type: ignore[index]
+                by_stream[stream] = held = _columns()  # type: ignore[index]
             held[0].append(duration)
             held[1].append(span.trace_id)
             held[2].append(span.span_id)
@@ -602,6 +602,11 @@ def remember(table: dict[K, V], key: K, value: V, limit: int) -> None:
         while len(table) >= limit:  # more than one only after a restart with a lower limit
             del table[next(iter(table))]
     table[key] = value
+
+
+def _columns() -> Columns:
+    """Empty columns for one stream's (or one caller's calls') requests in an open window."""
+    return array("q"), [], [], array("q")
 
 
 def _hop_records(by_key: dict[HopKey, Columns]) -> Iterator[tuple[int, bytes, bytes, int, str, str, str | None, bool]]:
