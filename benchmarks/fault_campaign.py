@@ -24,10 +24,12 @@ The agents forward over OTLP/gRPC to one ``spikehound collector`` whose alerts g
 
 Runs, each on a fresh database with fresh agents: the fault-free run (PostgreSQL), then
 ``sigkill`` (the collector SIGKILLed at seeded random moments and started again at once on the same database
-and ports, PostgreSQL), ``pg-restart`` (PostgreSQL restarted, ``fast`` and ``immediate`` shutdown in turn),
-``outage`` (PostgreSQL stopped for ``--outage-seconds``), ``disk-full`` (SQLite on a tmpfs the script
-mounts, filled with a filler file until the collector refuses writes, held ``--disk-hold-seconds``, filler
-deleted; RLIMIT_FSIZE on the collector where mounting is not possible).
+and ports, PostgreSQL), ``detection-kill`` (the collector's detection process SIGKILLed at such moments, as
+the OOM killer would pick it, and forked again by the collector; PostgreSQL), ``pg-restart`` (PostgreSQL
+restarted, ``fast`` and ``immediate`` shutdown in turn), ``outage`` (PostgreSQL stopped for
+``--outage-seconds``), ``disk-full`` (SQLite on a tmpfs the script mounts, filled with a filler file until
+the collector refuses writes, held ``--disk-hold-seconds``, filler deleted; RLIMIT_FSIZE on the collector
+where mounting is not possible).
 
 After each run: every agent's queue empty, detection settled (no open window, every judged window written),
 the alert outbox empty; then every acknowledged span looked up through ``GET /api/v1/traces/{id}`` (lost:
@@ -61,6 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import requests
 
 from harness.api_client import list_spikes
@@ -85,7 +88,7 @@ from harness.pgserver import PostgresServer
 from harness.scrape import sample, scrape, total
 from harness.webhook_receiver import WebhookReceiver
 
-KINDS = ("sigkill", "pg-restart", "outage", "disk-full")
+KINDS = ("sigkill", "detection-kill", "pg-restart", "outage", "disk-full")
 
 
 @dataclass
@@ -261,7 +264,8 @@ class Run:
     def faults(self) -> None:
         a = self.args
         plans: dict[str, tuple[int, float, Callable[[int], float]]] = {
-            "sigkill": (a.kills, 0.0, self.sigkill), "pg-restart": (a.pg_restarts, 0.0, self.pg_restart),
+            "sigkill": (a.kills, 0.0, self.sigkill), "detection-kill": (a.kills, 0.0, self.detection_kill),
+            "pg-restart": (a.pg_restarts, 0.0, self.pg_restart),
             "outage": (a.outages, a.outage_seconds, self.outage), "disk-full": (a.disk_full, a.disk_hold_seconds + 5,
                                                                                 self.disk_full)}
         if self.kind not in plans:
@@ -291,6 +295,14 @@ class Run:
         t_end = time.time()  # restart issued at once, as systemd's Restart=always would
         self.collector.start(120)
         return t_end
+
+    def detection_kill(self, i: int) -> float:
+        """SIGKILL the collector's detection process (the OOM killer's usual pick: it holds the learned state);
+        the collector forks another between two commits."""
+        assert self.collector is not None and self.collector.proc is not None
+        for child in psutil.Process(self.collector.proc.pid).children():
+            child.kill()
+        return time.time()
 
     def pg_restart(self, i: int) -> float:
         assert self.pg is not None
@@ -336,6 +348,20 @@ class Run:
 
     # -- after the run --------------------------------------------------------------------------------------
 
+    def detection_settled(self) -> bool:
+        """``detection_settled``; after a detection process was killed, its replacement judges again and writes
+        again what was judged after the checkpoint, so the written count runs ahead: every window closed and the
+        counts still for two seconds."""
+        metric = self.collector_metric()
+        if self.kind != "detection-kill":
+            return detection_settled(metric)
+        names = ("spikehound_latency_open_windows", "spikehound_detector_judged_windows_total",
+                 "spikehound_latency_windows_closed_total")
+        before = [metric(n) for n in names]
+        time.sleep(2.0)
+        after = [metric(n) for n in names]
+        return after == before and after[0] == 0 and after[1] > 0 and after[2] >= after[1]
+
     def settle(self, hook: WebhookReceiver) -> None:
         assert self.collector is not None
         deadline = time.time() + self.args.settle_timeout
@@ -346,7 +372,7 @@ class Run:
             time.sleep(0.5)
         while True:
             try:
-                if detection_settled(self.collector_metric()):
+                if self.detection_settled():
                     break
             except requests.RequestException:
                 pass
@@ -447,7 +473,7 @@ def fmt(x: float | None) -> str:
 
 
 def table(results: Sequence[RunResult]) -> str:
-    head = (f"{'fault kind':12s}{'episodes':>9s}{'acked spans':>12s}{'lost':>7s}{'dup':>6s}{'spikes same/diff':>18s}"
+    head = (f"{'fault kind':15s}{'episodes':>9s}{'acked spans':>12s}{'lost':>7s}{'dup':>6s}{'spikes same/diff':>18s}"
             f"{'alerts same/diff':>18s}{'recovery med/max s':>20s}{'wall s':>8s}")
     rows = [head, "-" * len(head)]
     for r in results:
@@ -455,7 +481,7 @@ def table(results: Sequence[RunResult]) -> str:
         spikes = f"{r.spikes_same}/{r.spikes_different}"
         alerts = f"{r.alerts_same}/{r.alerts_different}"
         failed = " (failed)" if any(n.startswith("run failed") for n in r.notes) else ""
-        rows.append(f"{r.kind:12s}{r.episodes:>9d}{r.acked:>12,d}{r.lost:>7d}{r.duplicated:>6d}{spikes:>18s}"
+        rows.append(f"{r.kind:15s}{r.episodes:>9d}{r.acked:>12,d}{r.lost:>7d}{r.duplicated:>6d}{spikes:>18s}"
                     f"{alerts:>18s}{fmt(med) + ' / ' + fmt(mx):>20s}{r.wall_s:>8.0f}{failed}")
     return "\n".join(rows)
 
@@ -488,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0 and "disk-full" in kinds:
         print("not root: disk-full falls back to RLIMIT_FSIZE on the collector")
 
-    needs = {"sigkill": args.kills * 15, "pg-restart": args.pg_restarts * 15,
+    needs = {"sigkill": args.kills * 15, "detection-kill": args.kills * 15, "pg-restart": args.pg_restarts * 15,
              "outage": args.outages * (args.outage_seconds + 20),
              "disk-full": args.disk_full * (args.disk_hold_seconds + 30)}
     faults = tuple(f for f in args.dataset_faults.split(",") if f)

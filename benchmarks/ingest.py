@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -63,6 +64,7 @@ import random
 import re
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -76,6 +78,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import psutil
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -202,14 +205,20 @@ class Workload:
         return sum(len(b) for b in self.bodies)
 
 
-def make_workload(requests: int, batch: int, seed: int = SEED) -> Workload:
-    """``requests`` serialised export requests of ``batch`` spans each, ends within 2 s before now."""
+def make_workload(requests: int, batch: int, seed: int = SEED, *, one_span_traces: bool = False) -> Workload:
+    """``requests`` serialised export requests of ``batch`` spans each, ends within 2 s before now.
+
+    ``one_span_traces``: every span is the root of a trace of its own (the worst case for the trace index and
+    the detectors' trace buffer: one index row and one trace a span)."""
     rng = random.Random(seed)
     marker = rng.getrandbits(64).to_bytes(MARKER_BYTES, "big")
     now = time.time_ns()
     spans: list[Span] = []
     while len(spans) < requests * batch:
         spans += make_trace(rng, marker, now - rng.randrange(2 * NS))
+    if one_span_traces:
+        for s in spans:
+            s.trace_id, s.parent_span_id = marker + rng.getrandbits(64).to_bytes(8, "big"), None
     bodies = [encode_spans(spans[i:i + batch]).SerializeToString() for i in range(0, requests * batch, batch)]
     if any(body.count(marker) != len(decode_spans(ExportTraceServiceRequest.FromString(body)).spans)
            for body in bodies[:4]):
@@ -281,6 +290,34 @@ def decode_rate(bodies: Sequence[bytes], min_seconds: float) -> tuple[float, flo
         if elapsed >= min_seconds:
             others = (machine_busy_seconds() - busy0 - (time.process_time() - cpu0)) / elapsed
             return spans / elapsed, max(others, 0.0)
+
+
+def store_rate(bodies: Sequence[bytes], min_seconds: float) -> float:
+    """Spans/s of the plainest store, one thread: decode and validate each request as the collector does,
+    flatten its spans into rows (ids, names, kind, times, status) and insert them into a SQLite file (WAL,
+    synchronous=NORMAL), one row a span and one commit a request. What one core does with no index, no
+    detection and no answers to senders: the reference the collector's rate is held against."""
+    with tempfile.TemporaryDirectory(prefix="spikehound-store-reference-") as tmp:
+        db = sqlite3.connect(Path(tmp) / "reference.db", isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("CREATE TABLE spans (trace_id BLOB, span_id BLOB, parent_id BLOB, service TEXT, name TEXT, "
+                   "kind INTEGER, start_ns INTEGER, end_ns INTEGER, status INTEGER)")
+        insert = "INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        spans = 0
+        started = time.perf_counter()
+        while True:
+            for body in bodies:
+                decoded = decode_spans(ExportTraceServiceRequest.FromString(body))
+                db.execute("BEGIN")
+                db.executemany(insert, [(s.trace_id, s.span_id, s.parent_span_id, s.service, s.name, int(s.kind),
+                                         s.start_unix_nano, s.end_unix_nano, int(s.status)) for s in decoded.spans])
+                db.execute("COMMIT")
+                spans += len(decoded.spans)
+            elapsed = time.perf_counter() - started
+            if elapsed >= min_seconds:
+                db.close()
+                return spans / elapsed
 
 
 # --- load generator (runs in its own processes) ------------------------------------------------
@@ -422,16 +459,36 @@ def collect_results(pipes: list[Connection], procs: list[Any], failures: list[st
     return results
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (the collector's detection process)."""
+    try:
+        return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return [pid]
+
+
 def _rss_mb(pid: int) -> tuple[float, float]:
-    """Resident memory now and its high-water mark, in MB, from /proc/PID/status."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return tuple(round(int(fields[k].split()[0]) / 1024, 1) for k in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+    """Resident memory now and its high-water mark, in MB, from /proc/PID/status, summed over the process and
+    its children (pages a forked child still shares are counted in both: an upper bound)."""
+    total = [0.0, 0.0]
+    for each in process_tree(pid):
+        with contextlib.suppress(OSError):
+            lines = Path(f"/proc/{each}/status").read_text().splitlines()
+            fields = dict(line.split(":", 1) for line in lines if ":" in line)
+            for i, key in enumerate(("VmRSS", "VmHWM")):
+                total[i] += int(fields[key].split()[0]) / 1024
+    return round(total[0], 1), round(total[1], 1)
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+def process_cpu_seconds(pid: int, *, children: bool = True) -> float:
+    """User + system CPU time of a process (all its threads) and, with ``children``, of its live descendants,
+    from /proc."""
+    seconds = 0.0
+    for each in process_tree(pid) if children else [pid]:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{each}/stat").read_text().rpartition(")")[2].split()
+            seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return seconds
 
 
 class Collector:
@@ -541,6 +598,8 @@ class Results:
     workload_bytes_per_span: float
     reference_spans_per_s: float
     other_cores_reference: float  # other processes' load while the reference ran
+    store_reference_spans_per_s: float = 0.0  # decode + flatten + one SQLite row a span, one thread (store_rate)
+    ratio_ingest_store: float = 0.0
     ingest_spans_per_s: float = 0.0
     collector_side_spans_per_s: float = 0.0
     ratio_ingest_decode: float = 0.0
@@ -562,6 +621,7 @@ class Results:
     settings: dict[str, bool] = field(default_factory=dict)  # switched configuration keys
     windows_closed: int = 0  # what the detectors did meanwhile: windows judged, spans too late to count
     late_spans: int = 0
+    collector_main_cores: float = 0.0  # of collector_cores, the main process's (the rest: its detection process)
     collector_rss_mb: float = 0.0  # the collector's resident memory at the end of the measured interval
     collector_peak_rss_mb: float = 0.0  # its high-water mark (the kernel's VmHWM)
 
@@ -573,7 +633,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 # --compare SETTING -> the configuration key switched off and on.
 COMPARED_SETTINGS = {"detection": "detection.enabled", "span-metrics": "collector.span_metrics",
-                     "hop-streams": "detection.hop_streams"}
+                     "hop-streams": "detection.hop_streams", "own-process": "detection.own_process"}
 
 
 def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tuple[Results, list[str]]:
@@ -584,12 +644,15 @@ def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tu
     failures: list[str] = []
     processes = max(1, min(args.processes or min(2, args.senders), args.senders))
     started = time.perf_counter()
-    workload = make_workload(args.requests, args.batch)
-    print(f"workload: {len(workload.bodies)} requests x {args.batch} spans, "
+    workload = make_workload(args.requests, args.batch, one_span_traces=args.one_span_traces)
+    print(f"workload: {len(workload.bodies)} requests x {args.batch} spans"
+          f"{', every span its own trace' if args.one_span_traces else ''}, "
           f"{workload.size_bytes / workload.spans:.0f} bytes/span encoded, "
           f"built in {time.perf_counter() - started:.1f} s", flush=True)
     reference, reference_others = decode_rate(workload.bodies, args.reference_seconds)
     print(f"reference decode: {reference:,.0f} spans/s", flush=True)
+    stored_reference = store_rate(workload.bodies, args.reference_seconds)
+    print(f"reference store: {stored_reference:,.0f} spans/s", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="spikehound-bench-") as tmp:
         workdir = Path(tmp)
@@ -601,6 +664,7 @@ def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tu
                       warmup_s=args.warmup, seconds=args.seconds, workload_requests=len(workload.bodies),
                       workload_bytes_per_span=round(workload.size_bytes / workload.spans, 1),
                       reference_spans_per_s=round(reference), other_cores_reference=round(reference_others, 2),
+                      store_reference_spans_per_s=round(stored_reference),
                       settings=dict(settings or {}))
         load_and_stop(args, res, workload, collector, processes, failures)
         rows = count_span_rows(db_url)
@@ -609,13 +673,16 @@ def run(args: argparse.Namespace, settings: dict[str, bool] | None = None) -> tu
             if res.span_rows < res.acked_spans:
                 failures.append(f"only {res.span_rows:,} spans stored for {res.acked_spans:,} acknowledged")
     res.ratio_ingest_decode = round(res.ingest_spans_per_s / reference, 3) if reference else 0.0
+    res.ratio_ingest_store = round(res.ingest_spans_per_s / stored_reference, 3) if stored_reference else 0.0
     res.passed = res.ingest_spans_per_s >= TARGET_SPANS_PER_SECOND
     return res, failures
 
 
-def _sample(collector: Collector) -> tuple[float, float, float, float]:
-    """Stored spans, collector CPU seconds, machine busy seconds, wall time: now."""
-    return collector.stored_spans(), process_cpu_seconds(collector.pid), machine_busy_seconds(), time.time()
+def _sample(collector: Collector) -> tuple[float, float, float, float, float]:
+    """Stored spans, collector CPU seconds (with its detection process), machine busy seconds, wall time, and
+    the CPU seconds of the collector's main process alone: now."""
+    return (collector.stored_spans(), process_cpu_seconds(collector.pid), machine_busy_seconds(), time.time(),
+            process_cpu_seconds(collector.pid, children=False))
 
 
 def _wait_until(at: float, collector: Collector) -> None:
@@ -636,9 +703,9 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
 
     try:
         _wait_until(measure_at, collector)
-        stored0, cpu0, busy0, t0 = _sample(collector)
+        stored0, cpu0, busy0, t0, main0 = _sample(collector)
         _wait_until(end_at, collector)
-        stored1, cpu1, busy1, t1 = _sample(collector)
+        stored1, cpu1, busy1, t1, main1 = _sample(collector)
     except BaseException:
         for p in procs:  # the senders would otherwise retry against a dead collector for a minute
             p.kill()
@@ -646,6 +713,7 @@ def _load(args: argparse.Namespace, res: Results, workload: Workload, collector:
     res.collector_rss_mb, res.collector_peak_rss_mb = _rss_mb(collector.pid)
     res.collector_side_spans_per_s = round((stored1 - stored0) / (t1 - t0))
     res.collector_cores = round((cpu1 - cpu0) / (t1 - t0), 2)
+    res.collector_main_cores = round((main1 - main0) / (t1 - t0), 2)
     if stored1 > stored0:
         res.collector_cpu_us_per_span = round((cpu1 - cpu0) / (stored1 - stored0) * 1e6, 1)
 
@@ -696,8 +764,13 @@ def report(res: Results) -> str:
     lines = [
         f"ingest (OTLP/gRPC -> {db}, {_switched(res.settings)}, {setup}): "
         f"{res.ingest_spans_per_s:,.0f} spans/s  "
-        f"(collector used {res.collector_cores:.2f} cores, load generator {res.load_generator_cores:.2f})",
+        f"(collector used {res.collector_cores:.2f} cores: {res.collector_main_cores:.2f} its main process, "
+        f"{res.collector_cores - res.collector_main_cores:.2f} its detection process; load generator "
+        f"{res.load_generator_cores:.2f})",
         f"reference: protobuf decode + validation only, 1 thread: {res.reference_spans_per_s:,.0f} spans/s",
+        f"reference: decode, flatten and insert a row a span into SQLite, 1 thread: "
+        f"{res.store_reference_spans_per_s:,.0f} spans/s; ratio ingest/store: {res.ratio_ingest_store:.2f} "
+        f"(bar: 0.8)",
         f"ratio ingest/decode: {res.ratio_ingest_decode:.2f}   target >= {res.target_spans_per_s:,} spans/s: "
         f"{'PASS' if res.passed else 'BELOW TARGET'}",
         f"check: acknowledged {res.acked_spans:,} spans (warm-up included), collector stored_total "
@@ -729,12 +802,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="distinct pre-encoded requests, replayed with fresh trace ids (default 64)")
     p.add_argument("--db", default="", help="database URL (default: SQLite in a temporary directory); a "
                    "postgresql:// URL works too (the spans are added to what it holds)")
+    p.add_argument("--one-span-traces", action="store_true",
+                   help="every span the root of its own trace (the worst case for the trace index and buffer)")
     p.add_argument("--reference-seconds", type=float, default=3.0, help="length of the decode-only run")
     p.add_argument("--startup", type=float, default=2.0, help="seconds allowed for the senders to connect")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
     p.add_argument("--compare", choices=[*COMPARED_SETTINGS, "none"], default="detection",
                    help="measure what one part costs: run the collector with it off and on, alternating "
-                   "(default detection; span-metrics; hop-streams; none: one run with everything on)")
+                   "(default detection; span-metrics; hop-streams; own-process: the detectors on the writer "
+                   "thread against in a process of their own; none: one run with everything on)")
     p.add_argument("--pairs", type=int, default=1, help="off/on pairs to alternate (default 1); each side's "
                    "mean is compared, so a machine that gets busier during the run weighs on both alike")
     args = p.parse_args(argv)
@@ -766,7 +842,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # What each compared part may cost: the detectors 20 % of ingest throughput, the span metrics 10 %, the hop
 # streams (CLIENT spans joined to their callees, judged as streams of their own) 15 % of the collector's CPU.
-MAX_LOSS = {"detection": 0.20, "span-metrics": 0.10, "hop-streams": 0.15}
+MAX_LOSS = {"detection": 0.20, "span-metrics": 0.10, "hop-streams": 0.15,
+            "own-process": 0.20}  # its process decodes each block again: CPU a span may rise, throughput not fall
 
 
 def compare_report(name: str, results: Sequence[Results], key: str) -> str:

@@ -77,20 +77,32 @@ class SoakSettings:
 
 
 def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> dict[str, float] | None:
-    """RSS (MB), CPU (share of one core since the last call for this pid), open descriptors, threads."""
+    """RSS (MB), CPU (share of one core since the last call for each pid), open descriptors, threads: of the
+    process and its children together (a collector's detection process is part of the collector; pages a
+    forked child still shares with it are counted in both, so RSS is an upper bound)."""
     if pid is None:
         return None
     try:
-        p = psutil.Process(pid)
-        with p.oneshot():
-            cpu = p.cpu_times()
-            used, now = cpu.user + cpu.system, time.monotonic()
-            before = last.get(pid)
-            last[pid] = (used, now)
-            return {"rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(), "threads": p.num_threads(),
-                    "cpu": (used - before[0]) / (now - before[1]) if before and now > before[1] else 0.0}
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
     except psutil.Error:
         return None
+    figures = {"rss_mb": 0.0, "fds": 0, "threads": 0, "cpu": 0.0}
+    for p in tree:
+        try:
+            with p.oneshot():
+                cpu = p.cpu_times()
+                used, now = cpu.user + cpu.system, time.monotonic()
+                before = last.get(p.pid)
+                last[p.pid] = (used, now)
+                figures["rss_mb"] += p.memory_info().rss / 2**20
+                figures["fds"] += p.num_fds()
+                figures["threads"] += p.num_threads()
+                figures["cpu"] += (used - before[0]) / (now - before[1]) if before and now > before[1] else 0.0
+        except psutil.Error:
+            if p is root:
+                return None
+    return figures
 
 
 def tree_bytes(path: Path) -> int:

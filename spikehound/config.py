@@ -272,6 +272,8 @@ class DetectionConfig:
     max_causes: int = 5
     # Seconds between checkpoints of the learned state to storage (also written at shutdown).
     checkpoint_seconds: float = 60.0
+    # Run the detectors in a process of their own, on another core (a single collector on a file database).
+    own_process: bool = True
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from harness.api_client import get_json
 from harness.daemons import CollectorThread, collector_config
 from harness.waiting import eventually
+from spikehound.collector.local_detection import LocalDetection
 from tests.support.otlp_requests import assert_still_serving, post, request, span
 
 MS = 1_000_000
@@ -27,6 +28,15 @@ def quick_collector(tmp_path: Path) -> Iterator[CollectorThread]:
     """Windows of one second, closed half a second after the input stops."""
     with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'spikehound.db'}", collector__window_seconds=1,
                                           collector__allowed_lateness_seconds=0.5)) as running:
+        yield running
+
+
+@pytest.fixture
+def in_process_collector(tmp_path: Path) -> Iterator[CollectorThread]:
+    """As ``quick_collector``, with the detectors in the collector's process, where a test can reach them."""
+    with CollectorThread(collector_config(f"sqlite:///{tmp_path / 'spikehound.db'}", collector__window_seconds=1,
+                                          collector__allowed_lateness_seconds=0.5,
+                                          detection__own_process=False)) as running:
         yield running
 
 
@@ -91,12 +101,12 @@ def test_a_request_that_fans_out_to_ten_thousand_calls_is_named_by_a_few(quick_c
     assert_still_serving(c)
 
 
-def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(quick_collector: CollectorThread,
+def test_a_detector_failure_costs_that_batch_its_detection_not_its_storage(in_process_collector: CollectorThread,
                                                                            caplog: pytest.LogCaptureFixture):
     """A bug the input sets off (injected here: the one fake) is counted and logged once; the sender is told
     its spans are stored, they are, and the next batch is detected as usual."""
-    c = quick_collector
-    assert c.collector.detection is not None
+    c = in_process_collector
+    assert isinstance(c.collector.detection, LocalDetection)
     detection = c.collector.detection.driver.detection
     calls = []
 

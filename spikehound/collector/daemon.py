@@ -27,6 +27,7 @@ from spikehound.collector.cluster.member import ClusterMember, default_member_na
 from spikehound.collector.commit_hooks import CommitHooks
 from spikehound.collector.cross_site import Site
 from spikehound.collector.detection_driver import DetectionDriver, DriverSettings
+from spikehound.collector.detection_process import ProcessDetection
 from spikehound.collector.exported_metrics import install_exported_metrics
 from spikehound.collector.ingest import Ingest
 from spikehound.collector.ingest_queue import IngestQueue
@@ -46,7 +47,7 @@ from spikehound.config import Config, check_otlp_exposure, redact_url
 from spikehound.grpc_server import GrpcServer
 from spikehound.http_server import HttpServer
 from spikehound.live_config import ALERT_KEYS, COLLECTOR_LIVE_KEYS, RETENTION_KEYS, apply_live
-from spikehound.storage.engine import make_engine, unavailable
+from spikehound.storage.engine import in_memory, make_engine, unavailable
 from spikehound.storage.migrate import upgrade
 from spikehound.storage.reader import Reader
 from spikehound.storage.retention import Retention
@@ -61,13 +62,25 @@ GC_THRESHOLDS = (50_000, 50, 100)
 
 def single_collector_pipeline(cfg: Config, writer: Writer, queue: IngestQueue, writer_thread: WriterThread,
                               telemetry: CollectorTelemetry, health: StorageHealth, *,
-                              clock: Callable[[], float] = time.monotonic) -> tuple[IngestPipeline, LocalDetection]:
-    """The pipeline of a collector that detects over its own commits, with its detection and retention."""
+                              clock: Callable[[], float] = time.monotonic
+                              ) -> tuple[IngestPipeline, LocalDetection | ProcessDetection]:
+    """The pipeline of a collector that detects over its own commits, with its detection and retention.
+
+    The detectors get a process of their own (``detection.own_process``) unless the database lives in this
+    process's memory, where no other process could read it back.
+    """
     engine = writer.engine
-    driver = DetectionDriver(DriverSettings.from_config(cfg), telemetry, advance_while_held=False, clock=clock)
-    detection = LocalDetection(driver, engine, writer_thread, health, telemetry, clock=clock)
+    settings = DriverSettings.from_config(cfg)
+    detection: LocalDetection | ProcessDetection
+    if cfg.detection.own_process and not in_memory(engine):
+        url = engine.url.render_as_string(hide_password=False)  # the writer's database, whatever cfg names
+        detection = ProcessDetection(settings, url, cfg.storage.sqlite_synchronous, engine,
+                                     writer_thread, health, telemetry, clock=clock)
+    else:
+        driver = DetectionDriver(settings, telemetry, advance_while_held=False, clock=clock)
+        detection = LocalDetection(driver, engine, writer_thread, health, telemetry, clock=clock)
     retention = RetentionSchedule(RetentionRunner(Retention(engine), telemetry, writer_thread), cfg, clock=clock)
-    parts = PipelineParts(CommitHooks(on_failure=driver.failures.commit_hook_failed), detection, retention)
+    parts = PipelineParts(CommitHooks(on_failure=detection.failures.commit_hook_failed), detection, retention)
     pipeline = IngestPipeline(PipelineSettings.from_config(cfg.collector), queue,
                               CommitPath(writer, writer_thread, health, telemetry), parts, clock=clock)
     return pipeline, detection
@@ -89,7 +102,7 @@ class Collector:
         self._grpc: GrpcServer | None = None
         self._http: HttpServer | None = None
         self.pipeline: IngestPipeline | None = None
-        self.detection: LocalDetection | None = None  # a single collector's; None in a cluster
+        self.detection: LocalDetection | ProcessDetection | None = None  # a single collector's; None in a cluster
         self.leader: DetectionLeader | None = None  # in a cluster (cluster.enabled): this member's campaign to lead
         self.retention: RetentionSchedule | None = None
         self.profiles: ProfileIngest | None = None  # the receivers' profiles path (tests reach its limits)
@@ -157,14 +170,14 @@ class Collector:
                                   retention=self.retention, member=member)
             self.pipeline = pipeline = IngestPipeline(PipelineSettings.from_config(c), queue,
                                                       CommitPath(writer, writer_thread, health, self.telemetry), parts)
-            driver = leader.driver
+            detecting: LocalDetection | ProcessDetection | DetectionDriver = leader.driver
             self.telemetry.registry.register(leader.metrics)
         else:
             pipeline, detection = single_collector_pipeline(cfg, writer, queue, writer_thread, self.telemetry, health)
             self.pipeline, self.detection, self.retention = pipeline, detection, pipeline.parts.retention
-            driver = detection.driver
-        self.telemetry.registry.register(driver.metrics)
-        driver.announcer.listeners.append(alerting.observe)
+            detecting = detection
+        self.telemetry.registry.register(detecting.metrics)
+        detecting.announcer.listeners.append(alerting.observe)
         install_exported_metrics(cfg, pipeline, self.telemetry, reader)
         ingest = Ingest.configured(queue, self.telemetry, c, health)
         # Profiles skip the queue: each export is its own transaction on the writer thread (low volume).

@@ -104,10 +104,12 @@ class StepFailures:
 
     def __init__(self, errors: Counter) -> None:
         self.errors = errors
+        self.counts: dict[str, int] = {}  # per part, as counted here (a detection process reports them)
         self._seen: set[tuple[str, str]] = set()
 
     def count(self, part: str, what: str, exc: Exception) -> None:
         self.errors.labels(part).inc()
+        self.counts[part] = self.counts.get(part, 0) + 1
         kind = (part, exc.__class__.__name__)
         if kind not in self._seen:  # one traceback per part and kind, not one per batch
             self._seen.add(kind)
@@ -145,7 +147,8 @@ class DetectionDriver:
     def stats(self) -> dict[str, int]:
         """The detection engine's own figures now (the detector metrics read them when scraped, from any thread)."""
         held = self.catch_up.active or self.detection.windows.hold is not None
-        return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held)}
+        return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held),
+                "process_restarts": 0}
 
     # -- continuing ----------------------------------------------------------------------------
 

@@ -34,6 +34,8 @@ ENGINE_COUNTERS = (
      "Metric samples that arrived after their window was judged."),
     ("spikehound_resource_overflow_points", "resource_overflow_points",
      "Metric samples not judged because the resource series limit was reached."),
+    ("spikehound_detection_process_restarts", "process_restarts",
+     "Times the detection process was started again after it died (it continued from the checkpoint)."),
 )
 ENGINE_GAUGES = (
     ("spikehound_latency_streams", "streams", "Latency streams with open windows."),

@@ -33,6 +33,16 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def in_memory(engine: Engine) -> bool:
+    """Whether the database lives in this process's memory (SQLite without a file), where no other process
+    can open it.
+
+    >>> in_memory(make_engine("sqlite://")), in_memory(make_engine("sqlite:////tmp/x.db"))
+    (True, False)
+    """
+    return engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:")
+
+
 SQLITE_HEAP_LIMIT = 128 * 2**20  # bytes of SQLite page caches (and the rest of its heap) in one process
 
 

@@ -1,0 +1,86 @@
+"""The detectors in a process of their own (``detection.own_process``, the default): a real collector process,
+real OTLP/HTTP, real signals.
+
+A killed detection process is forked again and continues from the checkpoint without losing the fault in
+flight; a killed collector takes its detection process with it, and none of its ports stays bound.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.api_client import list_spikes
+from harness.daemons import CollectorProcess
+from harness.scenario_io import scenario_requests, send
+from harness.scenarios.traffic import Scenario
+from harness.scrape import sample, scrape
+from harness.waiting import eventually
+
+pytestmark = pytest.mark.slow
+
+
+def _detection_process(collector: CollectorProcess) -> psutil.Process:
+    assert collector.proc is not None
+    (child,) = psutil.Process(collector.proc.pid).children()
+    return child
+
+
+def _metric(collector: CollectorProcess, name: str) -> float:
+    return sample(scrape(collector.api), name) or 0.0
+
+
+def test_a_killed_detection_process_is_forked_again_and_still_finds_the_fault(tmp_path: Path):
+    # Three and a half minutes of warm-up, a one-minute slow feature query from 212 s, then calm. The
+    # detection process is killed 20 s before the fault: its replacement continues from the checkpoint saved
+    # at start and replays everything committed since.
+    sc = Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
+    bodies = scenario_requests(sc)
+    cut = 2 * (int(sc.onset_s) - 20)  # two requests a second of the scenario
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
+    collector.start()
+    try:
+        first = _detection_process(collector)
+        send(collector.http_endpoint, bodies[:cut])
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        send(collector.http_endpoint, bodies[cut:])
+        # (Windows the dead process had judged and written are judged and written again by the replay, so
+        # the written count runs ahead of the judged one: settled is every window closed and the spike over.)
+        def settled() -> list[dict] | None:
+            spikes = list_spikes(collector.api)
+            over = spikes and all(s["state"] == "resolved" for s in spikes)
+            return spikes if over and _metric(collector, "spikehound_latency_open_windows") == 0 else None
+
+        spikes = eventually(settled, "the spike to be found and to end", timeout=90, every=0.25)
+        second = _detection_process(collector)
+        restarts = _metric(collector, "spikehound_detection_process_restarts_total")
+    finally:
+        collector.kill()
+    assert second.pid != first.pid and restarts == 1
+    assert "started again from the checkpoint" in collector.log_text()
+    (spike,) = spikes
+    assert (spike["service"], spike["operation"], spike["state"]) == ("gateway", "POST /v1/predict", "resolved")
+    top = spike["causes"][0]
+    assert (top["kind"], top["service"], top["operation"]) == ("span", "preprocess", "SELECT features"), top
+
+
+def test_a_killed_collector_takes_its_detection_process_with_it(tmp_path: Path):
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
+    collector.start()
+    child = _detection_process(collector)
+    assert collector.proc is not None
+    assert child.cmdline() == psutil.Process(collector.proc.pid).cmdline()  # forked: the same program
+    api_port = int(collector.api.rsplit(":", 1)[1])
+    collector.kill()
+    # The pipe closes with the collector; the child ends on it instead of running on, unowned.
+    eventually(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
+               "the detection process to end with the collector", timeout=10, every=0.1)
+    with socket.socket() as again:  # no listener the child inherited keeps the port
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", api_port))
