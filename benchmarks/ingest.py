@@ -843,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # What each compared part may cost: the detectors 20 % of ingest throughput, the span metrics 10 %, the hop
 # streams (CLIENT spans joined to their callees, judged as streams of their own) 15 % of the collector's CPU.
 MAX_LOSS = {"detection": 0.20, "span-metrics": 0.10, "hop-streams": 0.15,
-            "own-process": 0.20}  # its process decodes each block again: CPU a span may rise, throughput not fall
+            "own-process": 0.35}  # its process decodes each block again (a quarter more CPU a span, on the other core)
 
 
 def compare_report(name: str, results: Sequence[Results], key: str) -> str:
