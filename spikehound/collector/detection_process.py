@@ -48,7 +48,7 @@ __all__ = ["ProcessDetection"]
 
 log = logging.getLogger("spikehound.collector.detection")
 
-ANSWER_SECONDS = 120.0  # an idle step or a snapshot not answered in this long: the child is hung, and replaced
+ANSWER_SECONDS = 30.0  # an answer, or room for a commit, not given in this long: the child is hung, and replaced
 RESUME_SECONDS = 1800.0  # a replay after a restart reads everything committed since the checkpoint
 STOP_SECONDS = 10.0
 POINT_BYTES = 200  # a metric point, pickled, about
@@ -88,8 +88,15 @@ class _Child:
     def send(self, message: tuple[Any, ...], size: int = 0) -> None:
         """Hand over a message of ``size`` bytes, in order; blocks while WAITING_BYTES wait for the child (one
         message always goes). A dead child's is lost: its replacement replays from storage."""
+        hung_at = time.monotonic() + ANSWER_SECONDS
         with self._changed:
             while self.alive and self._waiting and self._waiting_bytes + size > WAITING_BYTES:
+                if time.monotonic() > hung_at:
+                    # Stopped (SIGSTOP, a debugger) or stuck: the writer must not wait on it for good.
+                    log.error("the detection process took nothing for %.0f s: ended, to be started again",
+                              ANSWER_SECONDS)
+                    self.process.kill()
+                    hung_at = float("inf")  # its reader sees the end and says it is gone
                 self._changed.wait(1.0)
             if self.alive:
                 self._put(message, size)
@@ -354,10 +361,16 @@ class ProcessDetection:
         except Exception as exc:
             self.health.note("detector checkpoint", exc)
             return
+        child = self._child
         try:
             state = await asyncio.wait_for(asyncio.wrap_future(answer), ANSWER_SECONDS)
-        except (TimeoutError, RuntimeError) as exc:
-            log.error("no checkpoint: the detection process gave no snapshot (%s)", exc.__class__.__name__)
+        except TimeoutError:
+            log.error("no checkpoint: the detection process gave no snapshot in %.0f s: ended, to be started "
+                      "again", ANSWER_SECONDS)
+            await asyncio.to_thread(child.kill)
+            return
+        except RuntimeError:
+            log.error("no checkpoint: the detection process ended before its snapshot")
             return
         # What the detectors closed before it is written first: the checkpoint's storage position says that
         # everything before it was seen, and a SIGKILL right after must not lose those windows and spikes.
