@@ -134,8 +134,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # worker busy after the others are done. Only the order depends on this list.
 LONGEST_FIRST = (
     "test_scale_out.py", "test_demo.py", "test_soak.py", "test_detection_suite.py", "test_image.py", "test_agent.py",
-    "test_detection_live.py", "test_storage_faults.py", "test_cluster.py",
-    "test_detection_continuity.py", "test_web_browser.py", "test_alert_live.py", "test_web_pages.py",
+    "test_detection_live.py", "test_storage_faults.py", "test_cluster.py", "test_detection_continuity.py",
+    "test_detection_process.py", "test_web_browser.py", "test_alert_live.py", "test_web_pages.py",
     "test_fuzz.py", "test_profiler.py", "test_ingest_sdk.py", "test_distribution.py",
 )
 # What marks a module whose tests share a fixture: its own wider-scoped fixtures, or conftest's.

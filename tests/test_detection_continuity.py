@@ -162,8 +162,10 @@ def _clear(engine: Engine) -> None:
                 conn.execute(table.delete())
 
 
-@pytest.mark.parametrize("own_process", [False, True], ids=["in-the-collector", "in-a-detection-process"])
-@pytest.mark.parametrize("saved_at", [380, 0], ids=["after-a-checkpoint", "before-the-first-checkpoint"])
+@pytest.mark.parametrize(("saved_at", "own_process"), [
+    (380, False), (0, False),
+    (380, True),  # the detection process's checkpoint: position and state taken as one
+], ids=["after-a-checkpoint", "before-the-first-checkpoint", "after-a-checkpoint-in-a-detection-process"])
 def test_a_restart_after_sigkill_replays_what_was_committed_after_the_checkpoint(engine: Engine, saved_at: int,
                                                                                  own_process: bool):
     # The second case: killed before its first periodic checkpoint (the one it saves as it starts is all there

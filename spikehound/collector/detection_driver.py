@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from spikehound.collector.catch_up import CatchUp, close_held, hold_where_the_data_is
 from spikehound.collector.detector_metrics import DetectorMetrics
+from spikehound.collector.outgoing import Outgoing
 from spikehound.collector.spike_announcer import SpikeAnnouncer
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.config import Config
@@ -140,7 +141,7 @@ class DetectionDriver:
         self.announcer = SpikeAnnouncer(telemetry)
         self.metrics = DetectorMetrics(self.stats)  # for the daemon to register
         self.failures = StepFailures(self.metrics.errors)
-        self._outgoing = Detection()  # windows and spikes produced and not yet handed out to be written
+        self.outgoing = Outgoing()  # windows and spikes produced and not yet committed
         self._open_windows = 0  # (stream, window) pairs not yet judged, as of the last step
         self._data_lag_ns = 0  # how far the newest live data trailed the clock, as of the last feed (CatchUp.begin)
 
@@ -183,7 +184,7 @@ class DetectionDriver:
         """A fresh detection engine and catch-up, nothing outgoing (a leader that stepped down; before a restore)."""
         self.detection = DetectionEngine(self.settings.detection)
         self.catch_up = CatchUp(self.settings.catch_up_seconds, clock=self.clock)
-        self._outgoing = Detection()
+        self.outgoing = Outgoing()
         self._open_windows = 0
 
     def refill_traces(self, reader: Reader, found: Checkpoint, exclude: Collection[int] = ()) -> int:
@@ -292,23 +293,15 @@ class DetectionDriver:
     def keep(self, step: Detection) -> None:
         """Keep a step's windows and spikes for the next write: every state, in order (a spike that opened and
         resolved since the last write is announced and alerted as both; the writer keeps the last)."""
-        self._outgoing.windows.extend(step.windows)
-        self._outgoing.spikes.extend(step.spikes)
-
-    @property
-    def outgoing(self) -> Detection:
-        """What waits to be written (read it; ``take_outgoing`` hands it over)."""
-        return self._outgoing
+        self.outgoing.keep(step)
 
     def take_outgoing(self) -> Detection:
         """Hand over what waits to be written; give it back with ``not_written`` if the write fails."""
-        out, self._outgoing = self._outgoing, Detection()
-        return out
+        return self.outgoing.take()
 
     def not_written(self, out: Detection) -> None:
         """``out``'s write failed: it goes out again first, with the next write."""
-        self._outgoing = Detection(windows=out.windows + self._outgoing.windows,
-                                   spikes=out.spikes + self._outgoing.spikes)
+        self.outgoing.give_back(out)
 
     def written(self, out: Detection) -> None:
         """``out`` is committed: count it and announce its spike states."""

@@ -34,6 +34,7 @@ from sqlalchemy import Engine
 from spikehound.collector.detection_driver import CHECKPOINT_NAME, DriverSettings, StepFailures
 from spikehound.collector.detection_worker import serve
 from spikehound.collector.detector_metrics import ENGINE_COUNTERS, ENGINE_GAUGES, DetectorMetrics
+from spikehound.collector.outgoing import Outgoing
 from spikehound.collector.pipeline import Flush
 from spikehound.collector.spike_announcer import SpikeAnnouncer
 from spikehound.collector.storage_health import StorageHealth
@@ -211,8 +212,8 @@ class ProcessDetection:
         self.announcer = SpikeAnnouncer(telemetry)
         self.metrics = DetectorMetrics(self.stats)
         self.failures = StepFailures(self.metrics.errors)
-        self._lock = threading.Lock()  # the outgoing and the figures, filled by the child's answers
-        self._outgoing = Detection()
+        self._lock = threading.Lock()  # the figures, filled by the child's answers
+        self.outgoing = Outgoing()  # what the child produced, to be written with the next commit
         self._stats: dict[str, int] = {key: 0 for _, key, _ in ENGINE_COUNTERS + ENGINE_GAUGES}
         self._child_failures: dict[str, int] = {}
         self._restarts = 0
@@ -280,10 +281,8 @@ class ProcessDetection:
 
     def _took(self, message: tuple[Any, ...]) -> None:
         _, windows, spikes, stats, failures = message
+        self.outgoing.keep(Detection(windows=windows, spikes=spikes))
         with self._lock:
-            if windows or spikes:
-                self._outgoing.windows.extend(windows)
-                self._outgoing.spikes.extend(spikes)
             self._stats = stats
         for part, count in failures.items():  # counted by the child, exposed here
             seen = self._child_failures.get(part, 0)
@@ -303,22 +302,17 @@ class ProcessDetection:
         child.send(("feed", payloads, list(batch.points)), sum(map(len, payloads)) + POINT_BYTES * len(batch.points))
 
     def take_outgoing(self) -> Detection:
-        with self._lock:
-            out, self._outgoing = self._outgoing, Detection()
-        return out
+        return self.outgoing.take()
 
     def has_outgoing(self) -> bool:
-        with self._lock:
-            return bool(self._outgoing.windows or self._outgoing.spikes)
+        return bool(self.outgoing)
 
     def sent(self, out: Detection, committed: bool) -> None:
         """``out`` (from ``take_outgoing``) was committed (announce it), or goes out again first."""
         if committed:
             self.announcer.written(out)
-            return
-        with self._lock:
-            self._outgoing = Detection(windows=out.windows + self._outgoing.windows,
-                                       spikes=out.spikes + self._outgoing.spikes)
+        else:
+            self.outgoing.give_back(out)
 
     async def backlogs_coming(self, *, unless_holding: bool = False) -> None:
         await self._ask("backlogs", unless_holding)

@@ -92,8 +92,7 @@ class LocalDetection:
         return self.driver.take_outgoing()
 
     def has_outgoing(self) -> bool:
-        out = self.driver.outgoing
-        return bool(out.windows or out.spikes)
+        return bool(self.driver.outgoing)
 
     def sent(self, out: Detection, committed: bool) -> None:
         """``out`` (from ``take_outgoing``) was committed, or goes out again with the next commit."""

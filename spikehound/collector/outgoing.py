@@ -1,0 +1,65 @@
+"""What detection produced and storage has not yet committed: windows and spike states, in order.
+
+One buffer for the detection driver (filled by its steps) and for the collector's side of a detection process
+(filled by the child's answers, on another thread): steps are kept whole and in order, handed to the writer
+all at once, and given back first when the write failed.
+
+>>> from spikehound.detectors.engine import Detection
+>>> waiting = Outgoing()
+>>> waiting.keep(Detection(windows=["w1"])); waiting.keep(Detection(windows=["w2"]))
+>>> out = waiting.take(); out.windows, bool(waiting)
+(['w1', 'w2'], False)
+>>> waiting.keep(Detection(windows=["w3"])); waiting.give_back(out); waiting.take().windows
+['w1', 'w2', 'w3']
+"""
+
+from __future__ import annotations
+
+import threading
+
+from spikehound.detectors.engine import Detection
+from spikehound.model import LatencyWindow, Spike
+
+__all__ = ["Outgoing"]
+
+
+class Outgoing:
+    """Thread-safe: one thread may keep while another takes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = Detection()
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._waiting.windows or self._waiting.spikes)
+
+    def keep(self, step: Detection) -> None:
+        """A step's windows and spikes, after those kept before (every state: the writer keeps the last)."""
+        with self._lock:
+            self._waiting.windows.extend(step.windows)
+            self._waiting.spikes.extend(step.spikes)
+
+    def take(self) -> Detection:
+        """Everything waiting, handed over; ``give_back`` it if the write fails."""
+        with self._lock:
+            out, self._waiting = self._waiting, Detection()
+        return out
+
+    def give_back(self, out: Detection) -> None:
+        """``out``'s write failed: it goes out again first, with the next write."""
+        with self._lock:
+            self._waiting = Detection(windows=out.windows + self._waiting.windows,
+                                      spikes=out.spikes + self._waiting.spikes)
+
+    @property
+    def windows(self) -> list[LatencyWindow]:
+        """The windows waiting (a copy)."""
+        with self._lock:
+            return list(self._waiting.windows)
+
+    @property
+    def spikes(self) -> list[Spike]:
+        """The spike states waiting (a copy)."""
+        with self._lock:
+            return list(self._waiting.spikes)
