@@ -17,7 +17,6 @@ from harness.daemons import collector_config
 from harness.scenarios.traffic import Scenario
 from spikehound.collector.alerts.routing import Router
 from spikehound.collector.daemon import single_collector_pipeline
-from spikehound.collector.detection_process import ProcessDetection
 from spikehound.collector.ingest_queue import IngestQueue
 from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
@@ -109,7 +108,7 @@ class _Run:
     steps."""
 
     def __init__(self, engine: Engine, **settings: Any) -> None:
-        # In this process unless told otherwise: the tests read the detectors' state right after a commit.
+        # In this process: the tests read the detectors' state right after a commit.
         settings.setdefault("detection__own_process", False)
         self.cfg = collector_config("sqlite://", collector__idle_flush_seconds=3600, **settings)
         self.engine = engine
@@ -141,8 +140,6 @@ class _Run:
         self.pipeline._stopping = True  # so that the cancelled task is not reported as a failure
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        if isinstance(self.detection, ProcessDetection):
-            self.detection.kill()
         await self.writer_thread.stop()
 
 
@@ -162,32 +159,30 @@ def _clear(engine: Engine) -> None:
                 conn.execute(table.delete())
 
 
-@pytest.mark.parametrize(("saved_at", "own_process"), [
-    (380, False), (0, False),
-    (380, True),  # the detection process's checkpoint: position and state taken as one
-], ids=["after-a-checkpoint", "before-the-first-checkpoint", "after-a-checkpoint-in-a-detection-process"])
-def test_a_restart_after_sigkill_replays_what_was_committed_after_the_checkpoint(engine: Engine, saved_at: int,
-                                                                                 own_process: bool):
+# In the collector's process: the detection process's restarts are the default of every collector-process test
+# (test_detection_live.py, test_storage_faults.py) and of tests/test_detection_process.py.
+@pytest.mark.parametrize("saved_at", [380, 0], ids=["after-a-checkpoint", "before-the-first-checkpoint"])
+def test_a_restart_after_sigkill_replays_what_was_committed_after_the_checkpoint(engine: Engine, saved_at: int):
     # The second case: killed before its first periodic checkpoint (the one it saves as it starts is all there
     # is), as a collector in a crash loop always is.
     batches = [b.spans for b in Scenario("slow_db", seed=1, minutes=9, onset_s=400, rate=8).batches() if b.spans]
     killed_at = 450  # the spike opens in between
 
     async def uninterrupted() -> None:
-        run = _Run(engine, collector__catch_up_seconds=0, detection__own_process=own_process)
+        run = _Run(engine, collector__catch_up_seconds=0)
         await run.start()
         await run.send(batches)
         await run.stop()
 
     async def killed() -> None:
-        run = _Run(engine, collector__catch_up_seconds=0, detection__own_process=own_process)
+        run = _Run(engine, collector__catch_up_seconds=0)
         await run.start()
         await run.send(batches[:saved_at])
         if saved_at:
             await run.detection.checkpoint(run.pipeline.flush)
         await run.send(batches[saved_at:killed_at])
         await run.kill()
-        again = _Run(engine, collector__catch_up_seconds=0, detection__own_process=own_process)
+        again = _Run(engine, collector__catch_up_seconds=0)
         await again.start()
         assert again.detection.stats()["duplicate_spans"] == 0
         await again.send(batches[killed_at:])

@@ -36,10 +36,10 @@ def _metric(collector: CollectorProcess, name: str) -> float:
 
 
 def test_a_killed_detection_process_is_forked_again_and_still_finds_the_fault(tmp_path: Path):
-    # Three and a half minutes of warm-up, a one-minute slow feature query from 212 s, then calm. The
+    # Two and a half minutes of warm-up, a 40-second slow feature query from 150 s, then calm. The
     # detection process is killed 20 s before the fault: its replacement continues from the checkpoint saved
     # at start and replays everything committed since.
-    sc = Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
+    sc = Scenario("slow_db", "large", seed=3, minutes=3.5, onset_s=150.0, fault_s=40.0)
     bodies = scenario_requests(sc)
     cut = 2 * (int(sc.onset_s) - 20)  # two requests a second of the scenario
     collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)

@@ -241,11 +241,6 @@ class ProcessDetection:
             await asyncio.to_thread(self._child.stop)
             self._child = None
 
-    def kill(self) -> None:
-        """End the detection process at once, as a SIGKILL of the collector would (tests)."""
-        if self._child is not None:
-            self._child.kill()
-
     async def _start_child(self) -> None:
         self._child = child = _Child(*self._child_args, took=self._took)
         self._child_failures = {}  # the new child counts from 0
