@@ -99,8 +99,10 @@ def profiled_pattern(*ports: int) -> str:
 
 
 PROFILE_WINDOW_S = 5  # the demo's detection window
-# A short demo's baseline is a minute of mostly idle services: 19 Hz would catch too few on-CPU samples in it.
-PROFILE_RATE_HZ = 49
+# A short demo's baseline is the half minute of its warm-up, of mostly idle services: 19 Hz would catch too few
+# on-CPU samples in it, and 49 Hz caught 37 of the 50 a clear culprit needs on a busy CI machine (the services
+# get less CPU there, the profiler starts later), so nearly 100, py-spy's own default.
+PROFILE_RATE_HZ = 97
 
 
 @dataclass
