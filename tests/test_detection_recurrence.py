@@ -147,6 +147,25 @@ def test_a_stream_too_new_to_judge_drops_a_cluster_of_slow_requests_but_learns_a
     assert judge.baseline_ns(key) == 900_000_000
 
 
+def test_a_sparse_streams_slow_call_stands_as_evidence_for_two_minutes_while_it_has_no_calls():
+    settings = DetectionSettings()
+    judge = StreamJudge(settings)
+    key = StreamKey("notify", "POST /notify", "cancel")
+    for minute in range(40):  # warm: 40 calls of 70-80 ms, one a minute
+        _window(judge, minute * 60, [70 + minute % 10])
+    _window(judge, 2400, [1800])  # one slow call
+    (standing,) = judge.standing(set(), 2460 * NS, 2470 * NS)
+    assert standing.stream == key and standing.standing and standing.hot and standing.count == 0
+    assert standing.p99_ns == 1_800_000_000 and standing.evidence >= settings.hot_evidence
+    assert judge.standing({key}, 2460 * NS, 2470 * NS) == []  # judged in this window: not standing
+    # Past standing_ns after the slow call (it ended at 2401 s), it stands for nothing any more.
+    assert judge.standing(set(), 2520 * NS, 2530 * NS) == []
+    # Normal calls take its evidence back down: nothing stands.
+    for start in range(2410, 2460, 10):
+        _window(judge, start, [75])
+    assert judge.standing(set(), 2460 * NS, 2470 * NS) == []
+
+
 def test_each_return_of_a_fault_is_a_new_firing_message_even_within_the_resolve_wait():
     now = [1_800_000_000.0]
     router = Router(AlertsConfig(receivers=[ReceiverConfig(name="oncall", url="http://127.0.0.1:9/")],

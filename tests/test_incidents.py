@@ -29,13 +29,15 @@ def _judgement(stream: StreamKey, root: bool = False, evidence: float = 0.0) -> 
                      judged=[], onset_ns=T0, hot=True)
 
 
-def _group(locus: str, slow: dict[StreamKey, list[tuple[int, float, float]]], roots: set[StreamKey] = frozenset()
-           ) -> tuple[Group, dict[StreamKey, SequentialEvidence]]:
-    """A group whose streams saw ``slow`` requests: (trace, gain, end second) each."""
+def _group(locus: str, slow: dict[StreamKey, list[tuple[int, float, float]]], roots: set[StreamKey] = frozenset(),
+           standing: set[StreamKey] = frozenset()) -> tuple[Group, dict[StreamKey, SequentialEvidence]]:
+    """A group whose streams saw ``slow`` requests: (trace, gain, end second) each; the ``standing`` ones had
+    no request in the window, their evidence stood from earlier ones."""
     group, evidence = Group(locus), {}
     for stream, requests in slow.items():
         e = evidence[stream] = SequentialEvidence()
         j = _judgement(stream, stream in roots, sum(g for _, g, _ in requests))
+        j.standing = stream in standing
         for trace, gain, end_s in requests:
             e.slow.append(SlowRequest(trace.to_bytes(16, "big"), b"s" * 8, 2 * NS, T0 + int(end_s * NS), T0, gain))
             group.add(j, trace.to_bytes(16, "big"), gain, T0 + int(end_s * NS), 2 * NS)
@@ -87,6 +89,30 @@ def test_weak_streams_add_up_to_one_strong_spike():
     together, evidence = _group("ts-food", {s: [(i, 1.3, 10.0 * i)] for i, s in enumerate(streams)})
     (event,) = book.step([together], evidence.get, streams=10, now_ns=T0 + 60 * NS)
     assert event.kind == "opened" and len(event.incident.members) == 5
+
+
+def test_standing_evidence_of_another_route_completes_a_sparse_fault_but_sets_no_onset():
+    # A service of a few calls a minute: its fault slowed one call of one route at 30 s, then two of another
+    # at 92 s and 98 s, too close together to be sure alone (one pause could have caught both).
+    fresh, evidence = _group("ts-order", {HOP: [(2, 3.1, 92.0), (3, 3.1, 98.0)]})
+    assert IncidentBook(DetectionSettings()).step([fresh], evidence.get, 10, T0 + 100 * NS) == []
+    both, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 30.0)], HOP: [(2, 3.1, 92.0), (3, 3.1, 98.0)]},
+                            standing={ENTRY})
+    (event,) = IncidentBook(DetectionSettings()).step([both], evidence.get, 10, T0 + 100 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 9.3
+    # The rise is dated by the streams that turned hot now: a stray among the standing evidence is no onset.
+    assert event.incident.start_ns == T0 + 90 * NS
+
+
+def test_looking_back_at_standing_evidence_pays_for_it_like_judging_more_streams():
+    # A lone 3 s stall that crossed three streams half a minute ago, and one tail request (1 in 1,500) now.
+    # Both fresh, 5.3 of evidence is enough among 190 streams judged (bar 5.28); met by looking back at three
+    # standing streams, three more chances for a stray to meet this one, it is not (bar 5.88).
+    stall = {s: [(1, 3.1, 7.0)] for s in (ROUTE, ENTRY, StreamKey("gateway", "GET /*"))}
+    fresh, evidence = _group("ts-order", {**stall, HOP: [(2, 2.2, 27.0)]})
+    assert IncidentBook(DetectionSettings()).step([fresh], evidence.get, 190, T0 + 30 * NS)
+    looked_back, evidence = _group("ts-order", {**stall, HOP: [(2, 2.2, 27.0)]}, standing=set(stall))
+    assert IncidentBook(DetectionSettings()).step([looked_back], evidence.get, 190, T0 + 30 * NS) == []
 
 
 def test_the_bar_rises_with_the_number_of_streams_judged():

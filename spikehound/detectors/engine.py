@@ -272,7 +272,12 @@ class DetectionEngine:
         hot = [j for j in judgements if j.hot]
         events = []
         if hot:
-            groups = self._groups(hot)
+            standing = self.judge.standing({j.stream for j in judgements}, windows[0].start_unix_nano,
+                                           windows[0].end_unix_nano)
+            groups = self._groups(hot + standing)
+            if standing:  # standing evidence joins a place that turned hot now; alone it said its say before
+                now_hot = {j.stream for j in hot}
+                groups = [g for g in groups if not now_hot.isdisjoint(g.members)]
             self._unclaim(groups)
             _with_their_roots(groups, [j for j in judgements if j.root and not j.hot])
             events = self.incidents.step(groups, self.judge.evidence, self.judge.warm_streams(now_ns), now_ns)

@@ -378,10 +378,17 @@ class IncidentBook:
                 evidence = evidence_of(stream)
                 penalty += evidence.penalty if evidence is not None else 0.0
             strength = _once_per_stall(traces.values()) + penalty
-            if strength < s.min_evidence + correction:
+            # Each stream whose evidence stood from earlier requests is one more place a stray could have come
+            # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
+            standing = sum(1 for stream in group.by_stream if group.members[stream].standing)
+            if strength < s.min_evidence + correction + math.log10(1 + standing):
                 return None
             any_j = next(iter(group.members.values()))
-            start = incident_onset(ends, any_j.window_end_ns - any_j.window_start_ns)
+            # Where the rise began is read from the streams that turned hot now: evidence that stood from
+            # earlier requests adds to the strength, and a stray slow request among it is no onset.
+            fresh = {t for stream, ids in group.by_stream.items() if not group.members[stream].standing for t in ids}
+            start = incident_onset(sorted(traces[t].end_ns for t in fresh) or ends,
+                                   any_j.window_end_ns - any_j.window_start_ns)
         members = {stream: _member(j, group, start) for stream, j in group.members.items()}
         for stream, member in members.items():
             # A sparse stream's p99 is its slowest request: the slow ones that built its evidence count too,

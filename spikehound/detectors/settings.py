@@ -48,6 +48,9 @@ class DetectionSettings:
     surprise_drift: float = 0.9  # taken off each request's surprise: normal requests bring the evidence down
     slow_surprise: float = 1.5  # a request this surprising (1 in 30) is one of the rise's slow requests
     hot_evidence: float = 1.5  # evidence at which a stream is attributed and grouped
+    # A sparse stream's slow requests count toward its place's evidence this long after the last one, in the
+    # windows where another stream turns hot (a service of 3 calls a minute spreads a fault over its routes).
+    standing_ns: int = 120 * NS
     # How a spike ends (see spikehound.detectors.sequential.RecoveryEvidence) and what it keeps from learning.
     end_evidence: float = 3.0  # evidence toward normal (log10 odds) that ends a spike: 3-4 normal requests
     quiet_min_ns: int = 120 * NS  # a spike whose requests stopped ends after ten of their typical gaps, at least

@@ -86,6 +86,7 @@ class Judgement:
     # The sequential test's scores of this window's requests, (surprise, sample) in end-time order; empty
     # when it did not judge them (a busy window, or a stream not warm yet).
     scored: list[tuple[float, Sample]] = field(default_factory=list)
+    standing: bool = False  # no request in this window: its evidence stands from earlier ones (see standing())
 
     @property
     def window(self) -> tuple[int, int]:
@@ -268,6 +269,29 @@ class StreamJudge:
         for state in self._streams.values():
             if state.recent and state.recent[-1][0] >= from_ns and state.recent[0][0] < to_ns:
                 state.recent = deque(part for part in state.recent if not from_ns <= part[0] < to_ns)
+
+    def standing(self, judged: set[StreamKey], window_start_ns: int, window_end_ns: int) -> list[Judgement]:
+        """Hot streams with no request in this window: their evidence stands, and its slow requests, the last
+        within ``standing_ns``, are still evidence for their place. A fault on a service of a few calls a minute
+        slows one call of one route and, a minute later, two of another; neither route alone is sure.
+
+        A stream in an incident is not standing (its requests already count toward the incident).
+        """
+        s = self.settings
+        since = window_end_ns - s.standing_ns
+        out = []
+        for stream, state in self._streams.items():
+            evidence = state.evidence
+            if (not evidence.slow or evidence.value < s.hot_evidence or evidence.slow[-1].end_ns < since
+                    or state.incident is not None or stream in judged):
+                continue
+            onset = evidence.onset_ns
+            out.append(Judgement(
+                stream, state.root, window_start_ns, window_end_ns, count=0,
+                p99_ns=max(r.duration_ns for r in evidence.slow), baseline_ns=self.baseline_ns(stream) or 0,
+                score=0.0, dense=False, elevated=False, evidence=evidence.value, samples=[], judged=[],
+                onset_ns=onset if onset is not None else window_start_ns, hot=True, standing=True))
+        return out
 
     def streams_with_slow(self) -> list[tuple[StreamKey, SequentialEvidence]]:
         """The streams whose evidence holds slow requests."""
