@@ -17,57 +17,15 @@ from pathlib import Path
 
 import pytest
 import requests
-from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from harness.api_client import ApiClient
 from harness.daemons import CollectorProcess
-from harness.waiting import eventually
-from tests.support.sdk_traffic import Recording
+from tests.support.sdk_traffic import SdkTraffic
 
 # CollectorProcess.start leaves its log file to the garbage collector; the fixture collects it under this filter.
 pytestmark = pytest.mark.slow
 
 MIN_ACKED = 400
-
-
-class SdkTraffic:
-    """An application creating small traces as fast as it can, exported by the SDK in the background."""
-
-    def __init__(self, grpc_endpoint: str, service: str) -> None:
-        # A short timeout: with the collector gone an export gives up in about 2 s instead of retrying for long.
-        self.exporter = OTLPSpanExporter(endpoint=grpc_endpoint, insecure=True, timeout=2)
-        self.recorder = Recording(self.exporter, owns_inner=False)  # stop() shuts the real exporter down first
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "crash-host"}))
-        self.provider.add_span_processor(BatchSpanProcessor(self.recorder, max_export_batch_size=256,
-                                                            schedule_delay_millis=50))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sdk-traffic", daemon=True)
-
-    def _run(self) -> None:
-        tracer = self.provider.get_tracer("crash-test")
-        while not self._stop.is_set():
-            with tracer.start_as_current_span("POST /predict", kind=trace.SpanKind.SERVER):
-                for step in ("tokenize", "forward", "detokenize"):
-                    with tracer.start_as_current_span(step):
-                        pass
-            time.sleep(0.002)
-
-    def start(self) -> SdkTraffic:
-        self._thread.start()
-        return self
-
-    def wait_acked(self, count: int, timeout: float = 60) -> None:
-        eventually(lambda: len(self.recorder.acked) >= count, f"{count} spans acknowledged", timeout, every=0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.exporter.shutdown()  # an export retrying against a dead collector gives up now
-        self.provider.shutdown()
 
 
 @pytest.fixture

@@ -2,12 +2,14 @@
 real OTLP/HTTP, real signals.
 
 A killed detection process is forked again and continues from the checkpoint without losing the fault in
-flight; a killed collector takes its detection process with it, and none of its ports stays bound.
+flight, also while the collector's gRPC server is busy; a killed collector takes its detection process with it,
+and none of its ports stays bound.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 from pathlib import Path
@@ -21,6 +23,7 @@ from harness.scenario_io import scenario_requests, send
 from harness.scenarios.traffic import Scenario
 from harness.scrape import sample, scrape
 from harness.waiting import eventually
+from tests.support.sdk_traffic import GrpcExports
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +71,37 @@ def test_a_killed_detection_process_is_forked_again_and_still_finds_the_fault(tm
     assert (spike["service"], spike["operation"], spike["state"]) == ("gateway", "POST /v1/predict", "resolved")
     top = spike["causes"][0]
     assert (top["kind"], top["service"], top["operation"]) == ("span", "preprocess", "SELECT features"), top
+
+
+def test_a_detection_process_killed_under_grpc_load_is_started_again_every_time(tmp_path: Path):
+    # The child is forked from a collector whose gRPC server is serving exports. With grpcio's fork support on
+    # (its default), most such forks crashed within milliseconds (SIGSEGV, or SIGABRT in ev_epoll1), and the
+    # detectors stayed down, a new crash every 5 s, for as long as the load lasted.
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
+    collector.start()
+    load = GrpcExports(collector.grpc_endpoint, senders=4).start()
+    try:
+        load.wait_acked(20)
+        for kills in range(1, 5):
+            gone = _detection_process(collector)
+            os.kill(gone.pid, signal.SIGKILL)
+            gone.wait(10)
+
+            def serving(gone_pid: int = gone.pid) -> int | None:
+                children = psutil.Process(collector.proc.pid).children() if collector.proc else []
+                pids = {c.pid for c in children} - {gone_pid}
+                started = collector.log_text()
+                return next((pid for pid in pids if f"detection runs in process {pid} " in started), None)
+
+            eventually(serving, f"a new detection process after kill {kills}", timeout=60, every=0.1)
+        load.wait_acked(load.acked + 20)  # still taking exports
+        restarts = _metric(collector, "spikehound_detection_process_restarts_total")
+    finally:
+        load.stop()
+        collector.kill()
+    log = collector.log_text()
+    assert restarts == 4, log[-3000:]
+    assert "could not be started again" not in log and not re.search(r"exit code -(6|11)\b", log), log[-3000:]
 
 
 def test_a_killed_collector_takes_its_detection_process_with_it(tmp_path: Path):

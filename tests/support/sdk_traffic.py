@@ -3,17 +3,22 @@ was sent, and what the receiver acknowledged."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from harness.waiting import eventually
 
 
 def hex_key(span: ReadableSpan) -> tuple[str, str]:
@@ -141,3 +146,75 @@ class SdkApp:
         self._stop.set()
         self._thread.join(10)
         self.provider.shutdown()
+
+
+class SdkTraffic:
+    """An application creating small traces as fast as it can, exported by the SDK in the background."""
+
+    def __init__(self, grpc_endpoint: str, service: str) -> None:
+        # A short timeout: with the collector gone an export gives up in about 2 s instead of retrying for long.
+        self.exporter = GrpcSpanExporter(endpoint=grpc_endpoint, insecure=True, timeout=2)
+        self.recorder = Recording(self.exporter, owns_inner=False)  # stop() shuts the real exporter down first
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": "crash-host"}))
+        self.provider.add_span_processor(BatchSpanProcessor(self.recorder, max_export_batch_size=256,
+                                                            schedule_delay_millis=50))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sdk-traffic", daemon=True)
+
+    def _run(self) -> None:
+        tracer = self.provider.get_tracer("crash-test")
+        while not self._stop.is_set():
+            with tracer.start_as_current_span("POST /predict", kind=trace.SpanKind.SERVER):
+                for step in ("tokenize", "forward", "detokenize"):
+                    with tracer.start_as_current_span(step):
+                        pass
+            time.sleep(0.002)
+
+    def start(self) -> SdkTraffic:
+        self._thread.start()
+        return self
+
+    def wait_acked(self, count: int, timeout: float = 60) -> None:
+        eventually(lambda: len(self.recorder.acked) >= count, f"{count} spans acknowledged", timeout, every=0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.exporter.shutdown()  # an export retrying against a dead collector gives up now
+        self.provider.shutdown()
+
+
+class GrpcExports:
+    """``senders`` threads exporting 256-span OTLP/gRPC requests back to back, each on a channel of its own: a
+    collector's gRPC server kept busy (``acked`` counts the requests answered OK)."""
+
+    def __init__(self, grpc_endpoint: str, senders: int = 4, spans: int = 256) -> None:
+        self.endpoint, self.spans = grpc_endpoint, spans
+        self.acked = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name=f"grpc-exports-{i}", daemon=True)
+                         for i in range(senders)]
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self.endpoint) as channel:
+            stub = TraceServiceStub(channel)
+            while not self._stop.is_set():
+                body, _ = trace_request("grpc-load", spans=self.spans)
+                with contextlib.suppress(grpc.RpcError):  # told to retry, or the collector restarting
+                    stub.Export(ExportTraceServiceRequest.FromString(body), timeout=10)
+                    with self._lock:
+                        self.acked += 1
+
+    def start(self) -> GrpcExports:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def wait_acked(self, count: int, timeout: float = 60) -> None:
+        eventually(lambda: self.acked >= count, f"{count} requests acknowledged", timeout, every=0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(15)
