@@ -65,10 +65,12 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     rows = result["samples"]
     minutes = [r["wall_s"] / 60 for r in rows]
     fig, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
-    axes[0].plot(minutes, [(r["collector"] or {}).get("rss_mb") for r in rows], label="collector")
+    axes[0].plot(minutes, [(r["collector"] or {}).get("rss_mb") for r in rows], label="collector (RSS, both processes)")
+    axes[0].plot(minutes, [(r["collector"] or {}).get("pss_mb") for r in rows], label="collector (PSS)")
+    axes[0].plot(minutes, [(r["collector"] or {}).get("main_rss_mb") for r in rows], label="collector process")
     for i in range(len(rows[0]["agents"]) if rows else 0):
         axes[0].plot(minutes, [(r["agents"][i] or {}).get("rss_mb") for r in rows], label=f"agent {i + 1}")
-    axes[0].set_ylabel("RSS (MB)")
+    axes[0].set_ylabel("memory (MB)")
     axes[1].plot(minutes, [r["db_bytes"] / 2**20 for r in rows], label="database")
     axes[1].plot(minutes, [r["wal_bytes"] / 2**20 for r in rows], label="of which WAL")
     axes[1].set_ylabel("on disk (MB)")
@@ -104,7 +106,8 @@ def print_summary(r: dict[str, Any]) -> None:
     if "failed" in r:
         print(f"{r['storage']}: FAILED: {r['failed']}")
         return
-    keys = ("event_hours", "acked_spans", "canaries", "collector_lives", "rss_slope_mb_per_h", "collector_rss_mb_max",
+    keys = ("event_hours", "acked_spans", "canaries", "collector_lives", "rss_slope_mb_per_h", "pss_slope_mb_per_h",
+            "collector_process_rss_slope_mb_per_h", "collector_rss_mb_max",
             "collector_fds", "agent_fds", "db_mb_band", "api_p99_ms", "page_p99_ms", "faults", "found", "top1",
             "recall_per_6h", "spikes_per_fault", "false_by_reason", "spikes_paged", "sender_max_lag_s")
     print(f"\n== soak on {r['storage']}")

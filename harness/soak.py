@@ -79,7 +79,8 @@ class SoakSettings:
 def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> dict[str, float] | None:
     """RSS (MB), CPU (share of one core since the last call for each pid), open descriptors, threads: of the
     process and its children together (a collector's detection process is part of the collector; pages a
-    forked child still shares with it are counted in both, so RSS is an upper bound)."""
+    forked child still shares with it are counted in both, so RSS is an upper bound). ``pss_mb`` counts a
+    shared page once (the memory the tree really holds), ``main_rss_mb`` is the process's own."""
     if pid is None:
         return None
     try:
@@ -87,7 +88,7 @@ def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> di
         tree = [root, *root.children(recursive=True)]
     except psutil.Error:
         return None
-    figures = {"rss_mb": 0.0, "fds": 0, "threads": 0, "cpu": 0.0}
+    figures = {"rss_mb": 0.0, "pss_mb": 0.0, "main_rss_mb": 0.0, "fds": 0, "threads": 0, "cpu": 0.0}
     for p in tree:
         try:
             with p.oneshot():
@@ -95,7 +96,11 @@ def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> di
                 used, now = cpu.user + cpu.system, time.monotonic()
                 before = last.get(p.pid)
                 last[p.pid] = (used, now)
-                figures["rss_mb"] += p.memory_info().rss / 2**20
+                memory = p.memory_full_info()
+                figures["rss_mb"] += memory.rss / 2**20
+                figures["pss_mb"] += memory.pss / 2**20
+                if p is root:
+                    figures["main_rss_mb"] = memory.rss / 2**20
                 figures["fds"] += p.num_fds()
                 figures["threads"] += p.num_threads()
                 figures["cpu"] += (used - before[0]) / (now - before[1]) if before and now > before[1] else 0.0
@@ -327,7 +332,8 @@ window_retention_days = {self.settings.window_days}
         c = row["collector"] or {}
         agents = " ".join(f"{(a or {}).get('rss_mb', 0):.0f}" for a in row["agents"])
         self.log(f"[{self.storage} {wall / 60:5.1f} min, event {row['event_s'] / 3600:5.2f} h] collector "
-                 f"{c.get('rss_mb', 0):.0f} MB {c.get('fds', 0)} fds, agents "
+                 f"{c.get('rss_mb', 0):.0f} MB (PSS {c.get('pss_mb', 0):.0f}, its own process "
+                 f"{c.get('main_rss_mb', 0):.0f}) {c.get('fds', 0)} fds, agents "
                  f"{agents} MB, db "
                  f"{row['db_bytes'] / 2**20:.0f} MB, spool {row['spool_bytes'] / 2**20:.1f} MB, open windows "
                  f"{row.get('open_windows')}, canaries {self.canaries_checked} checked {len(self.lost)} lost")
@@ -481,9 +487,10 @@ window_retention_days = {self.settings.window_days}
         late = [s for s in self.samples if s["wall_s"] >= hour]
         settled = [s for s in settled_samples(self.samples) if s["wall_s"] >= hour]
 
-        def slope(pick: Callable[[dict[str, Any]], dict[str, float] | None], life: bool) -> float | None:
-            pts = [(s["wall_s"] / 3600, f["rss_mb"], s["life"] if life else 0) for s in (settled if life else late)
-                   if (f := pick(s)) is not None]
+        def slope(pick: Callable[[dict[str, Any]], dict[str, float] | None], life: bool,
+                  figure: str = "rss_mb") -> float | None:
+            pts = [(s["wall_s"] / 3600, f[figure], s["life"] if life else 0) for s in (settled if life else late)
+                   if (f := pick(s)) is not None and figure in f]
             return pooled_slope(pts)
 
         fds = [s["collector"]["fds"] for s in self.samples if s.get("collector")]
@@ -500,6 +507,10 @@ window_retention_days = {self.settings.window_days}
             "rss_slope_mb_per_h": {"collector": slope(lambda s: s["collector"], True),
                                    **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False)
                                       for i in range(len(self.agents))}},
+            "pss_slope_mb_per_h": {"collector": slope(lambda s: s["collector"], True, "pss_mb"),
+                                   **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False, "pss_mb")
+                                      for i in range(len(self.agents))}},
+            "collector_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "main_rss_mb"),
             "collector_rss_mb_max": max((s["collector"]["rss_mb"] for s in self.samples if s.get("collector")),
                                         default=None),
             "collector_fds": [min(fds, default=0), max(fds, default=0)],
