@@ -114,20 +114,22 @@ def _window(judge: StreamJudge, start_s: int, durations_ms: list[int]) -> None:
 
 
 def test_a_stream_too_new_to_judge_does_not_learn_a_fault_that_a_spike_elsewhere_claimed():
-    # A sparse hop, 16 calls learned, not warm yet: a 1.8 s call stands out from its 70-80 ms.
+    # A sparse hop, 16 calls learned, not warm yet: calls of 1.8 and 1.7 s stand out from its 70-80 ms (two:
+    # the baseline of a pool this small is its second slowest call, which one stall cannot set).
     settings = DetectionSettings()
     claimed, unclaimed = StreamJudge(settings), StreamJudge(settings)
     for judge in (claimed, unclaimed):
         for minute in range(16):
             _window(judge, minute * 60, [70 + minute % 10])
         _window(judge, 1000, [1800])
+        _window(judge, 1010, [1700])
     # A spike elsewhere opened at 1020 s (its quarantine takes the minute before); the other judge saw none.
     claimed.quarantine = [(960 * NS, 1300 * NS)]
     for judge in (claimed, unclaimed):
         for start in range(1060, 1400, 60):  # calm calls until the held one is due
             _window(judge, start, [75])
     assert claimed.baseline_ns(StreamKey("notify", "POST /notify", "cancel")) < 100_000_000  # dropped
-    assert unclaimed.baseline_ns(StreamKey("notify", "POST /notify", "cancel")) == 1_800_000_000  # a real tail
+    assert unclaimed.baseline_ns(StreamKey("notify", "POST /notify", "cancel")) == 1_700_000_000  # a real tail
 
 
 def test_a_stream_too_new_to_judge_drops_a_cluster_of_slow_requests_but_learns_a_lasting_shift():

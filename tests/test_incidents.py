@@ -67,6 +67,18 @@ def test_a_sparse_leads_p99_counts_the_slow_requests_that_opened_the_spike():
     assert lead.peak_p99_ns == 2 * NS > lead.baseline_ns
 
 
+def test_slow_requests_within_their_streams_normal_p99_open_no_spike():
+    # Evidence from slow requests that all stayed within their stream's normal p99 (a route whose tail is
+    # seconds long) is no p99 spike: the soak paged one whose lead read "p99 1112 ms against 1113 ms".
+    book = IncidentBook(DetectionSettings())
+    group, evidence = _group("ts-order", {HOP: [(1, 3.1, 30.0), (2, 3.1, 45.0)]})  # two calls of 2 s
+    group.members[HOP].baseline_ns = 3 * NS
+    assert book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS) == []
+    group.members[HOP].baseline_ns = 10 * MS
+    (event,) = book.step([group], evidence.get, streams=10, now_ns=T0 + 50 * NS)
+    assert event.kind == "opened"
+
+
 def test_a_slow_request_counts_once_however_many_streams_it_slowed():
     book = IncidentBook(DetectionSettings())
     # The same two traces slowed the route, the hop into the service and the service's own stream: still

@@ -396,8 +396,11 @@ class IncidentBook:
             evidence = evidence_of(stream)
             if evidence is not None and evidence.slow:
                 member.peak_p99_ns = max(member.peak_p99_ns, max(r.duration_ns for r in evidence.slow))
-        # The lead is one whose p99 rose: a number the user reads must make sense.
-        rose = [m for m in members.values() if m.peak_p99_ns > m.baseline_ns] or list(members.values())
+        # A p99 spike is one where a stream's p99 rose; the lead is one of those: a number the user reads must
+        # make sense. (Evidence whose slow requests all stayed within their streams' normal p99 is not one.)
+        rose = [m for m in members.values() if m.peak_p99_ns > m.baseline_ns]
+        if not rose:
+            return None
         lead = min(rose, key=lambda m: m.rank).stream
         window = s.window_ns
         last_slow = max(j.window_end_ns for j in dense) if dense else ends[-1] - ends[-1] % window + window

@@ -139,6 +139,20 @@ class TailSurprise(base.AnomalyDetector):
         n = len(self._sorted)
         return self._sorted[min(max(math.ceil(q * n) - 1, 0), n - 1)]
 
+    def normal_p99(self) -> float:
+        """The pool's p99 as a baseline one request cannot set: with fewer than 100 requests pooled the
+        nearest-rank p99 is the slowest of them (a lone stall learned as normal), so the second slowest is
+        taken (0 when empty).
+
+        >>> t = TailSurprise()
+        >>> for ms in [50.0] * 79 + [5000.0]:
+        ...     t.learn_one({"duration": ms})
+        >>> t.quantile(0.99), t.normal_p99()
+        (5000.0, 50.0)
+        """
+        n = len(self._sorted)
+        return self.quantile(min(0.99, 1.0 - 1.0 / n)) if n > 1 else self.quantile(0.99)
+
     @property
     def warm(self) -> bool:
         return len(self._sorted) >= self.grace_requests

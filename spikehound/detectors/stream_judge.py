@@ -169,7 +169,7 @@ class StreamJudge:
         if j.count == 0:  # the window test did not judge: report this window's own numbers
             j.p99_ns = window.p99_ns
         if not j.baseline_ns:
-            j.baseline_ns = int(state.tail.quantile(0.99))
+            j.baseline_ns = int(state.tail.normal_p99())
         seq_onset = state.evidence.onset_ns
         if seq_onset is not None and not j.dense:
             j.onset_ns = seq_onset
@@ -307,7 +307,7 @@ class StreamJudge:
             return None
         if state.window_test.n_learned:
             return int(state.window_test.baseline)
-        return int(state.tail.quantile(0.99)) if state.tail.pooled else None
+        return int(state.tail.normal_p99()) if state.tail.pooled else None
 
     def is_warm(self, stream: StreamKey) -> bool:
         state = self._streams.get(stream)
