@@ -150,8 +150,7 @@ class TailSurprise(base.AnomalyDetector):
         >>> t.quantile(0.99), t.normal_p99()
         (5000.0, 50.0)
         """
-        n = len(self._sorted)
-        return self.quantile(min(0.99, 1.0 - 1.0 / n)) if n > 1 else self.quantile(0.99)
+        return self.quantile(min(0.99, 1.0 - 1.0 / max(len(self._sorted), 1)))
 
     @property
     def warm(self) -> bool:
