@@ -18,7 +18,10 @@ wall clock, ending at the present: at speed 12 a two-hour run covers a day of it
 While it runs (every interval is wall time and a flag): a SIGHUP reload every 10 minutes, a SIGKILL of the
 collector every 30 minutes (started again at once, from its checkpoint), a PostgreSQL restart every hour on
 the PostgreSQL run. Retention is capped by size (``--span-cap-mb``) and the windows' age (``--window-days``),
-so that it deletes all the time.
+so that it deletes all the time. The collector's ``allowed_lateness_seconds`` is scaled with ``--speed``
+(``harness.soak.lateness_s``: 24 s at speed 12): the agents forward within 2 s of wall time, which the
+compressed clock stretches past the default 5 s (left there, a tenth of the spans came too late for their
+windows); the share that still does is reported (``late_span_share``).
 
 Sampled every 30 s: RSS, CPU, open descriptors and threads of the collector and the agents; the database on
 disk (and its WAL); the agents' spools; the collector's open windows, streams, baselines, resource series,
@@ -109,7 +112,8 @@ def print_summary(r: dict[str, Any]) -> None:
     keys = ("event_hours", "acked_spans", "canaries", "collector_lives", "rss_slope_mb_per_h", "pss_slope_mb_per_h",
             "collector_process_rss_slope_mb_per_h", "collector_rss_mb_max",
             "collector_fds", "agent_fds", "db_mb_band", "api_p99_ms", "page_p99_ms", "faults", "found", "top1",
-            "recall_per_6h", "spikes_per_fault", "false_by_reason", "spikes_paged", "sender_max_lag_s")
+            "recall_per_6h", "spikes_per_fault", "false_by_reason", "spikes_paged", "sender_max_lag_s",
+            "late_span_share")
     print(f"\n== soak on {r['storage']}")
     for k in keys:
         print(f"  {k}: {r.get(k)}")

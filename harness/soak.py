@@ -34,18 +34,37 @@ from harness.pgserver import PostgresServer
 from harness.scrape import sample, scrape
 from harness.soak_traffic import CHURN_MARK, SoakPlan, send
 from harness.webhook_receiver import WebhookReceiver
+from spikehound.agent.forwarder import FLUSH_SECONDS
 from spikehound.timefmt import parse_time
 from spikehound.units import NS
 
 WINDOW_S = 10.0  # the collector's default window: a spike may start one window before its fault
 FOUND_WITHIN_S = 120.0
 BLOCK_S = 6 * 3600  # recall is reported per six hours of event time
+# An agent forwards within two of its flush intervals (wall time); on the soak's clock that is ``speed`` times as
+# many event seconds, past the collector's default 5 s lateness: the lateness is scaled alike (see ``lateness_s``).
+AGENT_FORWARD_WALL_S = 2 * FLUSH_SECONDS
 LIFE_SETTLE_S = 300.0  # wall seconds of a collector life (its restore, its catch-up) left out of the RSS slope
 GAUGES = {"open_windows": "spikehound_latency_open_windows", "streams": "spikehound_latency_streams",
           "baselines": "spikehound_detector_streams", "resource_series": "spikehound_resource_series",
           "trace_buffer_spans": "spikehound_trace_buffer_spans",
           "trace_buffer_bytes": "spikehound_trace_buffer_bytes", "catching_up": "spikehound_detection_catching_up",
-          "stored_span_bytes": "spikehound_storage_span_payload_bytes"}
+          "stored_span_bytes": "spikehound_storage_span_payload_bytes",
+          "late_spans": "spikehound_latency_late_spans_total"}
+
+
+def lateness_s(speed: float) -> float:
+    """The collector's ``allowed_lateness_seconds`` for a soak whose event time runs ``speed`` times the wall
+    clock: at least the default 5 s, and the agents' forwarding delay on the soak's clock.
+
+    Left at 5 s, two agents that forward a second apart (12 event seconds at speed 12) had a tenth of all
+    spans counted late and left out of their windows: windows judged on part of their requests, hops named
+    without their callee, accuracy figures about the compressed clock rather than the detectors.
+
+    >>> lateness_s(1.0), lateness_s(12.0)
+    (5.0, 24.0)
+    """
+    return max(5.0, AGENT_FORWARD_WALL_S * speed)
 
 
 @dataclass
@@ -265,6 +284,9 @@ class Soak:
 span_retention_max_bytes = {int(self.settings.span_cap_mb * 2**20)}
 metric_retention_max_points = {self.settings.point_cap}
 window_retention_days = {self.settings.window_days}
+
+[collector]
+allowed_lateness_seconds = {lateness_s(self.settings.speed)}
 {alert_config(hook_url)}""")
         self.collector = CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)}).start(120)
         self.lives = 1
@@ -316,6 +338,7 @@ window_retention_days = {self.settings.window_days}
             metrics = scrape(self.api, timeout=10)
             row.update({k: sample(metrics, name) for k, name in GAUGES.items()})
             row["metrics_series"] = len(metrics)
+            row["stored_spans"] = sample(metrics, "spikehound_ingest_stored_total", signal="spans")
         except Exception as exc:  # a collector restarting: the row says so
             row["scrape_error"] = str(exc)[:200]
         answers = [timed_get(f"{self.api}/api/v1/spikes?limit=100") for _ in range(self.settings.api_probes)]
@@ -497,6 +520,12 @@ window_retention_days = {self.settings.window_days}
         agent_fds = [[s["agents"][i]["fds"] for s in self.samples if s["agents"][i]] for i in range(len(self.agents))]
         db = [s["db_bytes"] / 2**20 for s in late] or [s["db_bytes"] / 2**20 for s in self.samples]
         api = sorted(self.api_ms)
+        # Both counters start again with each life: each life's last figures, summed.
+        lives: dict[int, tuple[float, float]] = {}
+        for s in self.samples:
+            if s.get("late_spans") is not None and s.get("stored_spans"):
+                lives[s["life"]] = (s["late_spans"], s["stored_spans"])
+        stored = sum(v[1] for v in lives.values())
         return {
             "event_hours": self.traffic.get("event_second", 0) / 3600,
             "acked_spans": self.traffic.get("acked", 0), "rejected_spans": self.traffic.get("rejected", 0),
@@ -504,6 +533,7 @@ window_retention_days = {self.settings.window_days}
             "traffic_error": self.traffic.get("error", ""),
             "canaries": self.canaries_checked, "lost": self.lost, "duplicated": self.duplicated,
             "collector_lives": self.lives, "spikes_paged": notifications,
+            "late_span_share": sum(v[0] for v in lives.values()) / stored if stored else None,
             "rss_slope_mb_per_h": {"collector": slope(lambda s: s["collector"], True),
                                    **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False)
                                       for i in range(len(self.agents))}},
