@@ -360,13 +360,7 @@ def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
     for ri, rs in enumerate(req.resource_spans):
         if fit is not None:
             cut |= fit.resource(rs.resource)
-        resource = attributes(rs.resource.attributes)
-        service = resource.pop("service.name", None) or UNKNOWN_SERVICE
-        host = resource.pop("host.name", None) or None  # an empty host name is none
-        # Another type (a number, a list, bytes as hex) names them by its text, cut like a string.
-        service = str(service)[:limits.resource_name] if limits is not None else str(service)
-        if host is not None:
-            host = str(host)[:limits.resource_name] if limits is not None else str(host)
+        resource, service, host = _resource_of(rs.resource, limits.resource_name if limits is not None else None)
         for si, ss in enumerate(rs.scope_spans):
             if fit is not None:
                 cut |= fit.scope(ss.scope)
@@ -404,12 +398,29 @@ def decode_spans(req: ExportTraceServiceRequest, body: bytes | None = None, *,
     return out
 
 
+def _resource_of(resource: Any, name_limit: int | None) -> tuple[dict[str, Any], str, str | None]:
+    """A resource's attributes without its service and host names, and those names (cut to ``name_limit``).
+
+    An empty host name is none; another type than a string (a number, a list, bytes as hex) names them by its
+    text, cut like a string.
+    """
+    attrs = attributes(resource.attributes)
+    service = str(attrs.pop("service.name", None) or UNKNOWN_SERVICE)
+    host = attrs.pop("host.name", None) or None
+    if host is not None:
+        host = str(host)
+    if name_limit is not None:
+        service = service[:name_limit]
+        host = host[:name_limit] if host is not None else None
+    return attrs, service, host
+
+
 def spans_of_block(payload: bytes) -> list[Span]:
     """The spans of a stored span block (an encoded ExportTraceServiceRequest).
 
     A block holds what ``decode_spans`` accepted and cut to the limits (its ``payload``), so it is read
     without checking each span again: this runs once for every span committed (the detection process, the
-    cluster's leader, a replay), and the checks took a third of it.
+    cluster's leader, a replay), and the checks took a quarter of it.
 
     >>> from spikehound.model import Span, SpanKind, StatusCode
     >>> span = Span(trace_id=b"t" * 16, span_id=b"s" * 8, parent_span_id=None, service="gw", host=None,
@@ -423,11 +434,7 @@ def spans_of_block(payload: bytes) -> list[Span]:
     spans: list[Span] = []
     append = spans.append
     for rs in ExportTraceServiceRequest.FromString(payload).resource_spans:
-        resource = attributes(rs.resource.attributes)
-        service = str(resource.pop("service.name", None) or UNKNOWN_SERVICE)
-        host = resource.pop("host.name", None) or None
-        if host is not None:
-            host = str(host)
+        resource, service, host = _resource_of(rs.resource, None)
         for ss in rs.scope_spans:
             for sp in ss.spans:
                 append(received(sp.trace_id, sp.span_id, sp.parent_span_id or None, service, host, sp.name,
