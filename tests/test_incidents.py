@@ -116,6 +116,15 @@ def test_standing_evidence_of_another_route_completes_a_sparse_fault_but_sets_no
     assert event.incident.start_ns == T0 + 90 * NS
 
 
+def test_a_stream_that_turned_hot_on_one_old_stray_does_not_date_a_fault_whose_evidence_stood():
+    # The fault's calls at 160-175 s built evidence on two streams before this window; the stream that turned
+    # hot now did so on its only slow call, a stall at 60 s. The spike begins with the fault's run.
+    group, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 160.0), (2, 3.1, 170.0)], HOP: [(3, 3.1, 175.0)],
+                                          ROUTE: [(4, 3.1, 60.0)]}, standing={ENTRY, HOP})
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 180 * NS)
+    assert event.kind == "opened" and event.incident.start_ns == T0 + 160 * NS
+
+
 def test_looking_back_at_standing_evidence_pays_for_it_like_judging_more_streams():
     # A lone 3 s stall that crossed three streams half a minute ago, and one tail request (1 in 1,500) now.
     # Both fresh, 5.3 of evidence is enough among 190 streams judged (bar 5.28); met by looking back at three
@@ -267,6 +276,19 @@ def test_the_onset_is_where_slow_requests_began_to_come_not_a_stray_one_before()
     # ... but one that comes at the run's own pace is part of it.
     assert incident_onset([T0 + 175 * NS, *sparse], window) == T0 + 170 * NS
     assert incident_onset([T0 + 95 * NS, T0 + 107 * NS], window) == T0 + 90 * NS
+
+
+def test_a_weak_slow_request_just_before_a_run_of_far_slower_ones_is_not_its_onset():
+    window = 10 * NS
+    # A sparse run (every 10-40 s) whose lead only just passed the bar: timing alone would date it from there.
+    ends = [T0 + 13 * NS, T0 + 53 * NS, T0 + 64 * NS, T0 + 90 * NS]
+    assert incident_onset(ends, window) == T0 + 10 * NS
+    assert incident_onset(ends, window, [0.8, 3.1, 3.1, 3.1]) == T0 + 50 * NS
+    # A lead as telling as the rest is the run's start, and so is one a fault slowed less than its peers.
+    assert incident_onset(ends, window, [3.1, 3.1, 3.1, 3.1]) == T0 + 10 * NS
+    assert incident_onset(ends, window, [1.8, 3.1, 3.1, 3.1]) == T0 + 10 * NS
+    # Never past the newest: a run that is all weak keeps its own start.
+    assert incident_onset(ends, window, [0.6, 0.7, 0.6, 0.7]) == T0 + 10 * NS
 
 
 # --- the engine on microservice traces -------------------------------------------------------------------

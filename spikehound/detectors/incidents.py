@@ -72,6 +72,7 @@ _REFERENCE_STREAMS = 10  # the thresholds hold as set up to this many streams; b
 MAX_SLOW_IDS = 1024  # slow request ids an affected stream keeps to count each once; beyond, they are counted
 MAX_SEEN_TRACES = 512  # traces an open incident remembers having judged toward its end (each counts once)
 _RUN_GAP = 4  # a gap this many times the typical one (plus a window) ends a run of slow requests
+_WEAK_LEAD = 0.5  # a run's leading request that added under this share of its typical gain is no onset
 
 
 def spike_id(stream: StreamKey, start_ns: int, locus: str | None = None) -> str:
@@ -385,10 +386,16 @@ class IncidentBook:
                 return None
             any_j = next(iter(group.members.values()))
             # Where the rise began is read from the streams that turned hot now: evidence that stood from
-            # earlier requests adds to the strength, and a stray slow request among it is no onset.
-            fresh = {t for stream, ids in group.by_stream.items() if not group.members[stream].standing for t in ids}
-            start = incident_onset(sorted(traces[t].end_ns for t in fresh) or ends,
-                                   any_j.window_end_ns - any_j.window_start_ns)
+            # earlier requests adds to the strength, and a stray slow request among it is no onset. Nor is it
+            # before the latest run of all its slow requests: a stream that turned hot now on one stray
+            # minutes ago, beside streams whose evidence stood from the fault, does not date it.
+            width = any_j.window_end_ns - any_j.window_start_ns
+            every = sorted((t.end_ns, t.gain) for t in traces.values())
+            start = incident_onset([end for end, _ in every], width, [gain for _, gain in every])
+            fresh = sorted((traces[t].end_ns, traces[t].gain) for t in {
+                t for stream, ids in group.by_stream.items() if not group.members[stream].standing for t in ids})
+            if fresh:
+                start = max(start, incident_onset([end for end, _ in fresh], width, [gain for _, gain in fresh]))
         members = {stream: _member(j, group, start) for stream, j in group.members.items()}
         for stream, member in members.items():
             # A sparse stream's p99 is its slowest request: the slow ones that built its evidence count too,
@@ -504,13 +511,23 @@ def _member(j: Judgement, group: Group, incident_start_ns: int) -> Member:
                   over_baseline=j.exceed if j.dense else 0)
 
 
-def incident_onset(ends: list[int], window_ns: int) -> int:
+def incident_onset(ends: list[int], window_ns: int, gains: list[float] | None = None) -> int:
     """The start of the window in which the slow requests (ending at ascending ``ends``) began to come.
 
     Their latest run: going back from the newest, each earlier one is taken while the gap to it is at most
     ``_RUN_GAP`` times the run's typical (median) gap plus a window. A fault's slow requests come at the
     pace of its traffic; a stray stall half a minute before a run that comes every few seconds is not its
     start, and one two minutes before a run that comes every twenty seconds is not either.
+
+    With ``gains`` (what each added to the evidence), the run begins at its first request that said at
+    least half as much as the run's typical one: on a stream of a few calls a minute a request just past
+    the bar, ten seconds before requests far past it, is a stray the timing alone cannot tell apart.
+
+    >>> s = 1_000_000_000
+    >>> incident_onset([13 * s, 53 * s, 64 * s], 10 * s) // s  # timing alone: the run's pace holds it
+    10
+    >>> incident_onset([13 * s, 53 * s, 64 * s], 10 * s, [0.8, 3.1, 3.1]) // s  # a weak one leads it
+    50
     """
     first = len(ends) - 1
     while first > 0:
@@ -519,6 +536,11 @@ def incident_onset(ends: list[int], window_ns: int) -> int:
         if ends[first] - ends[first - 1] > _RUN_GAP * typical + window_ns:
             break
         first -= 1
+    if gains is not None:
+        run = sorted(gains[first:])
+        bar = _WEAK_LEAD * run[len(run) // 2]
+        while first < len(ends) - 1 and gains[first] < bar:
+            first += 1
     return ends[first] // window_ns * window_ns
 
 
