@@ -167,6 +167,59 @@ def test_a_callee_whose_spans_come_a_window_late_still_names_the_hop():
         ("gateway", "preprocess", "POST /preprocess", 9 * MS)]
 
 
+def _late_answer_run(client_name: str, callees: list[tuple[str, str]]) -> LatencyWindows:
+    """Twenty answered calls of ``gateway``'s ``client_name`` (callees in turn), then one whose answer never comes."""
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S)
+    for i in range(20):
+        callee, operation = callees[i % len(callees)]
+        lw.add(list(_call(100 + i, "gateway", callee, operation, 3 * S + i * 100 * MS, 40, 30, client_name)))
+    client, _server = _call(200, "gateway", callees[0][0], callees[0][1], 23 * S, 900, 880, client_name)
+    lw.add([client])  # its SERVER span is lost (or comes after the windows closed)
+    for t in (36, 46, 56):
+        lw.add([make_span(t * S, MS, name="tick")])
+    return lw
+
+
+def test_a_call_whose_answer_never_came_is_counted_where_its_calls_go_not_as_an_uninstrumented_place():
+    lw = _late_answer_run("HTTP GET", [("ts-order", "GET /orders/{id}")])
+    hops = [w for w in lw.close() + lw.flush() if w.peer_service is not None]
+    assert {(w.service, w.operation) for w in hops} == {("ts-order", "GET /orders/{id}")}
+    assert max(w.max_ns for w in hops) == 900 * MS and lw.unjoined_calls == 0
+
+
+def test_a_call_whose_answer_never_came_is_left_out_and_counted_where_several_callees_answer_such_calls():
+    lw = _late_answer_run("HTTP POST", [("ts-order", "POST /orders"), ("ts-travel", "POST /trips")])
+    hops = [w for w in lw.close() + lw.flush() if w.peer_service is not None]
+    assert {w.service for w in hops} == {"ts-order", "ts-travel"}  # no "(uninstrumented)" stream
+    assert max(w.max_ns for w in hops) == 40 * MS and lw.unjoined_calls == 1
+
+
+def test_a_generic_entry_whose_call_lost_its_answer_is_split_by_who_answers_such_calls():
+    buffer = TraceBuffer()
+    lw = LatencyWindows(window_ns=10 * S, allowed_lateness_ns=5 * S, route_of=buffer.callees_of)
+
+    def request(trace: int, end_ns: int, callee: str, operation: str, client_name: str, answered: bool = True):
+        root = make_span(end_ns, 50 * MS, name="HTTP GET")
+        root.trace_id = trace.to_bytes(16, "big")
+        client, server = _call(trace, "gateway", callee, operation, end_ns - MS, 40, 30, client_name)
+        client.parent_span_id = root.span_id
+        spans = [root, client] + ([server] if answered else [])
+        buffer.add(spans)
+        lw.add(spans)
+
+    for i in range(10):
+        request(i, 3 * S + i * 100 * MS, "ts-order", "GET /orders", "GET order")
+        request(50 + i, 3 * S + i * 100 * MS, "ts-order" if i % 2 else "ts-travel", "GET /x", "HTTP GET")
+    request(90, 23 * S, "ts-order", "GET /orders", "GET order", answered=False)
+    request(91, 23 * S, "ts-order", "GET /x", "HTTP GET", answered=False)
+    for t in (36, 46, 56):
+        lw.add([make_span(t * S, MS, service="clock", name="tick")])
+    entries = {w.operation for w in lw.close() + lw.flush() if w.service == "gateway" and w.peer_service is None}
+    assert entries == {"HTTP GET -> ts-order GET /orders", "HTTP GET -> ts-order GET /x",
+                       "HTTP GET -> ts-travel GET /x"}  # never "HTTP GET -> GET order" nor "-> HTTP GET"
+    assert lw.unjoined_calls >= 1  # the entry whose call several callees answer, and that call's hop
+
+
 def test_a_trace_counts_once_per_stream_and_window_with_its_slowest_call():
     lw = LatencyWindows()
     spans = []

@@ -20,6 +20,8 @@ ENGINE_COUNTERS = (
      "Entry spans that arrived after their window closed (stored, not counted in window percentiles)."),
     ("spikehound_latency_stream_overflow_spans", "overflow_spans",
      "Entry spans not aggregated because the stream limit (collector.max_streams) was reached."),
+    ("spikehound_latency_unjoined_calls", "unjoined_calls",
+     "CLIENT spans left out of hop streams: their answer never came and several callees answer such calls."),
     ("spikehound_detector_evicted_streams", "evicted_streams",
      "Quiet streams whose learned baseline was dropped to stay within collector.max_streams."),
     ("spikehound_detector_judged_windows", "judged_windows",

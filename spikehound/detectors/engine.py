@@ -193,6 +193,7 @@ class DetectionEngine:
             "streams": self.windows.streams,
             "late_spans": self.windows.late_spans,
             "overflow_spans": self.windows.overflow_spans,
+            "unjoined_calls": self.windows.unjoined_calls,
             "judged_streams": len(self.judge),
             "evicted_streams": self.judge.evicted_streams,
             "judged_windows": self.judged_windows,

@@ -60,6 +60,7 @@ _GENERIC_CACHE_LIMIT = 4096
 _REREAD_LABEL = 64  # of the calls of a (caller, name) that always says the same, one in this many is read again
 _TRUSTED_ANSWERED = 8  # calls of one (caller, name) answered in a row: later ones are not asked where they went
 _NEVER_ANSWERED = 3  # calls of one (caller, name) left unanswered in a row: later ones are named at once
+_SEVERAL = ("", "")  # in _answered_by: the calls of a (caller, name) were answered by more than one callee
 _EXACT: dict[float, tuple[int, int]] = {}  # quantile -> (numerator, denominator), for nearest_rank
 T = TypeVar("T")
 K = TypeVar("K")
@@ -171,6 +172,11 @@ class LatencyWindows:
         # (caller, CLIENT span name) -> [what it said it called, names a place, said so in a row, calls since
         # it was last read]
         self._labels: dict[tuple[str, str], list] = {}
+        # (caller, CLIENT span name) -> the callee (service, operation) that answers its calls, or _SEVERAL. A call
+        # of it left unanswered is one whose answer did not come in time (late past the lateness, lost), not a
+        # call into an uninstrumented place: it is counted where its calls go, never in a stream of odd names.
+        self._answered_by: dict[tuple[str, str], tuple[str, str]] = {}
+        self.unjoined_calls = 0  # ... left out instead, where several callees answer them: where it went is unknown
         # (caller, CLIENT span name) -> what its last unanswered call said it called, where it said something;
         # attribution reads it: a slow query's time was added in the database.
         self.unanswered_peer: dict[tuple[str, str], str] = {}
@@ -215,6 +221,10 @@ class LatencyWindows:
         # route_of reads the engine's trace buffer, which is not part of a checkpoint: the engine sets it again.
         # A hold belongs to the collector's catch-up, which a restart begins again from its own state.
         return {**self.__dict__, "route_of": None, "hold": None}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # A checkpoint from before callees were remembered starts without them.
+        self.__dict__.update({"_answered_by": {}, "unjoined_calls": 0, **state})
 
     # -- input -------------------------------------------------------------
 
@@ -446,6 +456,7 @@ class LatencyWindows:
             "streams": self.streams,
             "late_spans": self.late_spans,
             "overflow_spans": self.overflow_spans,
+            "unjoined_calls": self.unjoined_calls,
             "watermark": self._watermark,
         }
 
@@ -489,13 +500,19 @@ class LatencyWindows:
         retried = self._second_chance.pop(start, ([], []))
         named: dict[tuple[str, str, str | None], list[Sample]] = {}
         roots: set[tuple[str, str, str | None]] = set()
-        route_of = self.route_of
+        route_of, answered_by = self.route_of, self._answered_by
         for chance, records in enumerate((self._generic_open.pop(start, ()), retried[0])):
             for record in records:
                 duration, trace_id, span_id, end, service, name, root = record
                 callees = route_of(trace_id, span_id) if route_of is not None else []
-                if not callees and chance == 0 and route_of is not None:
+                unknown = False
+                if callees and answered_by:
+                    callees, unknown = _usual_callees(answered_by, service, callees)
+                if (not callees or unknown) and chance == 0 and route_of is not None:
                     later[0].append(record)
+                    continue
+                if unknown:  # a call whose answer never came, of a name several callees answer: no route
+                    self.unjoined_calls += 1
                     continue
                 stream = (service, split_operation(name, callees=callees), None)
                 named.setdefault(stream, []).append((duration, trace_id, span_id, end))
@@ -520,15 +537,27 @@ class LatencyWindows:
                         continue
                     if chance == 1:
                         remember(never, calls, never.get(calls, 0) + 1, self.max_streams)
-                    stream = (peer or unanswered, name, caller)
                     answered.pop(calls, None)  # its next calls are read again
-                    if place:
-                        remember(self.unanswered_peer, calls, peer, self.max_streams)
-                    elif not place and peer != unanswered and len(self.kinds) < self.max_streams:
-                        self.kinds.add(peer)
+                    usual = answered_by.get(calls)
+                    if usual == _SEVERAL:  # its answer did not come, and several callees answer such calls
+                        self.unjoined_calls += 1
+                        continue
+                    if usual is not None:  # its answer did not come: counted where its calls go
+                        stream = (usual[0], usual[1], caller)
+                    else:
+                        stream = (peer or unanswered, name, caller)
+                        if place:
+                            remember(self.unanswered_peer, calls, peer, self.max_streams)
+                        elif peer != unanswered and len(self.kinds) < self.max_streams:
+                            self.kinds.add(peer)
                 else:
                     if never:
                         never.pop(calls, None)
+                    usual = answered_by.get(calls)
+                    if usual is None:
+                        remember(answered_by, calls, callee, self.max_streams)
+                    elif usual != callee and usual != _SEVERAL:
+                        answered_by[calls] = _SEVERAL
                     run = answered.get(calls)
                     if run is None:
                         remember(answered, calls, 1, self.max_streams)
@@ -607,6 +636,29 @@ def remember(table: dict[K, V], key: K, value: V, limit: int) -> None:
 def _columns() -> Columns:
     """Empty columns for one stream's (or one caller's calls') requests in an open window."""
     return array("q"), [], [], array("q")
+
+
+def _usual_callees(answered_by: dict[tuple[str, str], tuple[str, str]], service: str,
+                   callees: list[str]) -> tuple[list[str], bool]:
+    """Where an entry's calls went, each unanswered CLIENT name of ``service`` that is answered as a rule
+    named by its callee; and whether one of them is answered by several callees (where it went is unknown).
+
+    >>> _usual_callees({("gw", "HTTP GET"): ("order", "GET /o"), ("gw", "HTTP POST"): _SEVERAL}, "gw",
+    ...                ["HTTP GET", "pay POST /p"])
+    (['order GET /o', 'pay POST /p'], False)
+    >>> _usual_callees({("gw", "HTTP POST"): _SEVERAL}, "gw", ["HTTP POST"])[1]
+    True
+    """
+    out, unknown = [], False
+    for callee in callees:
+        usual = answered_by.get((service, callee))
+        if usual is None:
+            out.append(callee)
+        elif usual == _SEVERAL:
+            unknown = True
+        else:
+            out.append(f"{usual[0]} {usual[1]}")
+    return out, unknown
 
 
 def _hop_records(by_key: dict[HopKey, Columns]) -> Iterator[tuple[int, bytes, bytes, int, str, str, str | None, bool]]:
