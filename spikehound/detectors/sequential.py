@@ -77,7 +77,7 @@ class TailSurprise(base.AnomalyDetector):
     ``x`` holds ``"duration"``, in any unit (always the same one).
     """
 
-    def __init__(self, pool_size: int = 256, grace_requests: int = 24, min_rise: float = 0.2,
+    def __init__(self, pool_size: int = 256, grace_requests: int = 12, min_rise: float = 0.2,
                  min_abs_rise: float = 5e6, max_surprise: float = 4.0) -> None:
         self.pool_size = pool_size
         self.grace_requests = grace_requests

@@ -43,7 +43,7 @@ class DetectionSettings:
     # The sequential test, request by request (see spikehound.detectors.sequential).
     request_pool: int = 256  # normal requests a stream's pool holds
     pool_per_window: int = 8  # most requests of one window learned into the pool (a busy window is thinned)
-    grace_requests: int = 24  # requests learned before a stream's requests are scored
+    grace_requests: int = 12  # requests learned before a stream's requests are scored
     max_surprise: float = 4.0  # the most one request can say (-log10 of the share of normal ones slower)
     surprise_drift: float = 0.9  # taken off each request's surprise: normal requests bring the evidence down
     slow_surprise: float = 1.5  # a request this surprising (1 in 30) is one of the rise's slow requests
