@@ -117,7 +117,8 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"\n== soak on {r['storage']}")
     for k in keys:
         print(f"  {k}: {r.get(k)}")
-    print(f"  lost: {len(r['lost'])}  duplicated: {len(r['duplicated'])}")
+    print(f"  lost: {len(r['lost'])}  duplicated: {len(r['duplicated'])}  "
+          f"served only after 5 minutes: {len(r['late_canaries'])}")
     for label in ("missed", "wrong", "false_spikes"):
         for line in r.get(label, [])[:20]:
             print(f"  {label}: {line}")
