@@ -114,12 +114,12 @@ def _window(judge: StreamJudge, start_s: int, durations_ms: list[int]) -> None:
 
 
 def test_a_stream_too_new_to_judge_does_not_learn_a_fault_that_a_spike_elsewhere_claimed():
-    # A sparse hop, 16 calls learned, not warm yet: calls of 1.8 and 1.7 s stand out from its 70-80 ms (two:
+    # A sparse hop, 8 calls learned, not warm yet (12): calls of 1.8 and 1.7 s stand out from its 70-80 ms (two:
     # the baseline of a pool this small is its second slowest call, which one stall cannot set).
     settings = DetectionSettings()
     claimed, unclaimed = StreamJudge(settings), StreamJudge(settings)
     for judge in (claimed, unclaimed):
-        for minute in range(16):
+        for minute in range(8):
             _window(judge, minute * 60, [70 + minute % 10])
         _window(judge, 1000, [1800])
         _window(judge, 1010, [1700])
@@ -135,12 +135,12 @@ def test_a_stream_too_new_to_judge_does_not_learn_a_fault_that_a_spike_elsewhere
 def test_a_stream_too_new_to_judge_drops_a_cluster_of_slow_requests_but_learns_a_lasting_shift():
     judge = StreamJudge(DetectionSettings())
     key = StreamKey("notify", "POST /notify", "cancel")
-    for minute in range(16):
+    for minute in range(4):  # not warm yet (12 learned)
         _window(judge, minute * 60, [70 + minute % 10])
     # A fault nobody could judge: a slow call every 40 s for three minutes, then calm calls.
     for start in range(1000, 1180, 40):
         _window(judge, start, [1800])
-    for start in range(1200, 1500, 60):
+    for start in range(1200, 1380, 60):  # 7 learned
         _window(judge, start, [75])
     assert judge.baseline_ns(key) < 100_000_000  # none of the cluster was learned
     # A lasting shift (a slower release) is learned once it has stood out for 20 minutes.
