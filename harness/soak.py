@@ -258,9 +258,8 @@ class Soak:
         self.samples: list[dict[str, Any]] = []
         self.events: list[tuple[float, str]] = []  # (wall s since start, what the operations did)
         self.canaries: list[Canary] = []
-        self.unserved: list[Canary] = []  # counted lost: not served within 5 minutes of their ack
-        self.late_canaries: list[str] = []  # ... and served at the end after all
-        self.lost: list[str] = []
+        self.unserved: list[Canary] = []  # lost: not served within 5 minutes of their ack (nor at the end)
+        self.late_canaries: list[str] = []  # not served within 5 minutes, served at the end after all
         self.duplicated: list[str] = []
         self.canaries_checked = 0
         self.traffic: dict[str, Any] = {}
@@ -361,7 +360,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                  f"{c.get('main_rss_mb', 0):.0f}) {c.get('fds', 0)} fds, agents "
                  f"{agents} MB, db "
                  f"{row['db_bytes'] / 2**20:.0f} MB, spool {row['spool_bytes'] / 2**20:.1f} MB, open windows "
-                 f"{row.get('open_windows')}, canaries {self.canaries_checked} checked {len(self.lost)} lost")
+                 f"{row.get('open_windows')}, canaries {self.canaries_checked} checked {len(self.unserved)} lost")
 
     def check_canaries(self, final: bool = False) -> None:
         """Look up canaries acked a minute ago or more; one not found is looked up again at later samples, up
@@ -382,7 +381,6 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                 continue
             self.canaries_checked += 1
             if lost:
-                self.lost.append(f"{c.trace}/{c.span}")
                 self.unserved.append(c)
             if dup:
                 self.duplicated.append(f"{c.trace}/{c.span}")
@@ -390,15 +388,17 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
         if final:
             # One not served within 5 minutes is looked up once more at the end: served then, it was late
             # (held in an agent's queue or the collector's), not lost.
+            still = []
             for c in self.unserved:
                 try:
                     _, lost, _ = served_once(self.api, [(c.trace, c.span)], workers=1)
                 except Exception:
-                    continue
-                if not lost:
-                    self.lost.remove(f"{c.trace}/{c.span}")
+                    lost = 1
+                if lost:
+                    still.append(c)
+                else:
                     self.late_canaries.append(f"{c.trace}/{c.span}")
-            self.unserved = []
+            self.unserved = still
 
     def read_traffic(self, reports: Any) -> None:
         while True:
@@ -546,8 +546,8 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             "acked_spans": self.traffic.get("acked", 0), "rejected_spans": self.traffic.get("rejected", 0),
             "sender_retries": self.traffic.get("retries", 0), "sender_max_lag_s": self.traffic.get("max_lag_s", 0),
             "traffic_error": self.traffic.get("error", ""),
-            "canaries": self.canaries_checked, "lost": self.lost, "duplicated": self.duplicated,
-            "late_canaries": self.late_canaries,
+            "canaries": self.canaries_checked, "lost": [f"{c.trace}/{c.span}" for c in self.unserved],
+            "duplicated": self.duplicated, "late_canaries": self.late_canaries,
             "collector_lives": self.lives, "spikes_paged": notifications,
             "late_span_share": sum(v[0] for v in lives.values()) / stored if stored else None,
             "rss_slope_mb_per_h": {"collector": slope(lambda s: s["collector"], True),

@@ -390,12 +390,10 @@ class IncidentBook:
             # before the latest run of all its slow requests: a stream that turned hot now on one stray
             # minutes ago, beside streams whose evidence stood from the fault, does not date it.
             width = any_j.window_end_ns - any_j.window_start_ns
-            every = sorted((t.end_ns, t.gain) for t in traces.values())
-            start = incident_onset([end for end, _ in every], width, [gain for _, gain in every])
-            fresh = sorted((traces[t].end_ns, traces[t].gain) for t in {
-                t for stream, ids in group.by_stream.items() if not group.members[stream].standing for t in ids})
+            fresh = {t for stream, ids in group.by_stream.items() if not group.members[stream].standing for t in ids}
+            start = _run_onset(traces.values(), width)
             if fresh:
-                start = max(start, incident_onset([end for end, _ in fresh], width, [gain for _, gain in fresh]))
+                start = max(start, _run_onset([traces[t] for t in fresh], width))
         members = {stream: _member(j, group, start) for stream, j in group.members.items()}
         for stream, member in members.items():
             # A sparse stream's p99 is its slowest request: the slow ones that built its evidence count too,
@@ -509,6 +507,12 @@ def _member(j: Judgement, group: Group, incident_start_ns: int) -> Member:
                   last_anomalous_end_ns=j.window_end_ns, peak_p99_ns=_p99(j), baseline_ns=j.baseline_ns,
                   evidence=max(j.evidence, j.score), slow_traces=set(group.by_stream.get(j.stream, ())),
                   over_baseline=j.exceed if j.dense else 0)
+
+
+def _run_onset(slow: Iterable[SlowTrace], window_ns: int) -> int:
+    """:func:`incident_onset` of slow traces, by their ends and gains."""
+    run = sorted((t.end_ns, t.gain) for t in slow)
+    return incident_onset([end for end, _ in run], window_ns, [gain for _, gain in run])
 
 
 def incident_onset(ends: list[int], window_ns: int, gains: list[float] | None = None) -> int:
