@@ -402,7 +402,8 @@ class DetectionEngine:
         delay on a service's own network reads as its hop to a database from that hop's stream and as the
         service's network from the route's: loci linked by a slowed hop are one group, and a group that
         touches an open incident's loci extends it. A stream whose window test fired goes with the locus
-        most of its slow requests point to (or its open incident's). What cannot be attributed (its trace
+        most of its slow requests point to, linked to the callers of a slowed hop there (or its open
+        incident's). What cannot be attributed (its trace
         is no longer buffered, as after a restart) goes with the largest group of the same window: streams
         that turn anomalous together are one incident unless their traces say otherwise.
         """
@@ -432,17 +433,19 @@ class DetectionEngine:
             if not j.dense:
                 continue
             incident = self.incidents.incident_of(j.stream)
+            callers: set[str] = set()
             if incident is not None:
                 where = incident.locus  # more of the same: its tail may already hold requests after the fault
             else:
-                slow = self._slow_samples(j, _LOCATE_TRACES)
-                votes = Counter(self._trace_locus(j.stream, t, sp)[0] for t, sp in slow)
-                votes.pop("", None)
+                loci = [self._trace_locus(j.stream, t, sp) for t, sp in self._slow_samples(j, _LOCATE_TRACES)]
+                votes = Counter(where for where, _ in loci if where)
                 if not votes:
                     unknown.append((j, None))
                     continue
                 where = min(votes, key=lambda k: (-votes[k], k))
-            links.join(where)
+                # A slowed hop links its caller, as a slow request of the sequential test does above.
+                callers = {caller for at, caller in loci if at == where and caller is not None}
+            links.join(where, *callers)
             links.count(where, None)
             placed.append((where, j, None))
         if unknown:

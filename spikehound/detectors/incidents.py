@@ -29,7 +29,8 @@ still one strong spike.
 - The slow requests must not all have ended within ``min_slow_spread_ns`` of
   each other (``min_spread_ns`` for a window test's): a pause of a second or
   two catches every request in flight at once, which is one stall, not a
-  sustained rise.
+  sustained rise (for a window test, ends of the tail just over the p99
+  elsewhere in the window do not widen a pause: ``stream_judge.slow_spread``).
 - A group whose locus has an open incident, or most of whose slow traces an
   open incident already counted as its slow requests, extends it: its streams join as
   *affected streams* with their own numbers instead of paging again. The most

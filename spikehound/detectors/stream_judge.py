@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
@@ -56,6 +56,7 @@ SEQUENTIAL_MAX = 256  # requests of one window the sequential test reads (a busy
 STRAGGLER_NS = 300 * NS  # how long after a spike ended a request of a trace begun during it may start
 FAR_OUT = 3.0  # an unproven request this many times a new stream's slowest counts toward a cluster
 COLD_SHIFT_NS = 1200 * NS  # a stream too new to judge whose requests stand out in clusters this long: a new normal
+SPREAD_TRIM = 0.05  # of a fired window's excess over its baseline, left out at either end of its slow requests' span
 EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
 
 __all__ = ["Judgement", "StreamJudge", "tail_band"]
@@ -456,11 +457,45 @@ class StreamJudge:
         verdict.exceed = exceed
         verdict.elevated = score >= s.min_score / 2
         if material and score >= s.min_score:
-            slow_ends = [e for d, _, _, e in samples if d > baseline]
-            verdict.spread_ns = max(slow_ends) - min(slow_ends) if slow_ends else 0
+            verdict.spread_ns = slow_spread(samples, baseline)
             verdict.dense = True
             verdict.onset_ns = _change_point(parts, baseline)
         return verdict
+
+
+def slow_spread(samples: Sequence[Sample], baseline: int) -> int:
+    """How far apart in time a fired window's slow requests ended (``Judgement.spread_ns``), as a pause reads.
+
+    The span of the ends of the requests over ``baseline``, each weighed by how much slower it was, leaving
+    out ``SPREAD_TRIM`` of that excess at either end. A pause releases every request it held within a second
+    or two, and its callers then finish theirs; a busy window also holds a request or two just over its p99
+    that ends seconds apart from them, and must not make the pause a sustained rise. Samples are
+    ``(duration, trace, span, end)``.
+
+    >>> ms = 1_000_000
+    >>> pause = [((4000 - t) * ms, b"", b"", (4000 + t // 2) * ms) for t in range(0, 2000, 100)]  # held till 4 s
+    >>> tail = [(110 * ms, b"", b"", 7000 * ms), (115 * ms, b"", b"", 9000 * ms)]  # just over a 100 ms baseline
+    >>> slow_spread(pause + tail, 100 * ms) / 1e9, slow_spread(pause, 100 * ms) / 1e9
+    (0.9, 0.9)
+    >>> fault = [(1500 * ms, b"", b"", t * 1000 * ms) for t in range(10)]  # +1.4 s on calls a second apart
+    >>> slow_spread(fault, 100 * ms) / 1e9
+    9.0
+    """
+    slow = sorted((end, duration - baseline) for duration, _, _, end in samples if duration > baseline)
+    if not slow:
+        return 0
+    trim = SPREAD_TRIM * sum(excess for _, excess in slow)
+    return max(_end_past(reversed(slow), trim) - _end_past(slow, trim), 0)
+
+
+def _end_past(slow: Iterable[tuple[int, int]], trim: float) -> int:
+    """The end of the first of ``slow`` ((end, excess) pairs) at which their summed excess passes ``trim``."""
+    total, last = 0, 0
+    for end, excess in slow:
+        total, last = total + excess, end
+        if total > trim:
+            break
+    return last
 
 
 def _spread_over(samples: list[Sample], limit: int) -> list[int]:
