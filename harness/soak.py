@@ -90,6 +90,7 @@ class SoakSettings:
     seed: int = 31
     out: Path = Path("soak-results")  # folder for the JSON and PNGs
     keep: bool = False  # keep the run's working folder (logs, database)
+    replay: bool = False  # no daemons: the plan's event time through one engine (harness/soak_replay.py)
 
 
 # -- what is measured --------------------------------------------------------------------------------------
@@ -240,6 +241,18 @@ def score(plan: SoakPlan, spikes: list[dict[str, Any]], event_end_s: float) -> A
         out.false_spikes.append(f"{t / 3600:.2f} h {s['service']}/{s['operation']} p99 {s['p99_ms']:.0f} ms vs "
                                 f"{s['baseline_p99_ms']:.0f} ms ({reason})")
     return out
+
+
+def accuracy_figures(acc: Accuracy) -> dict[str, Any]:
+    """What a run reports of its accuracy (a daemons' run and a replay alike)."""
+    return {
+        "faults": acc.faults, "found": acc.found, "top1": acc.top1,
+        "recall_per_6h": {f"{b * 6}-{b * 6 + 6} h": (v[1] / v[0] if v[0] else None, v[0])
+                          for b, v in sorted(acc.per_block.items())},
+        "spikes_per_fault": statistics.fmean(acc.pages_per_fault) if acc.pages_per_fault else None,
+        "missed": acc.missed, "wrong": acc.wrong, "false_spikes": acc.false_spikes,
+        "false_by_reason": acc.false_by_reason,
+    }
 
 
 # -- the run ------------------------------------------------------------------------------------------------
@@ -564,13 +577,8 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             "db_mb_band": [min(db, default=0), max(db, default=0)],
             "api_p99_ms": api[int(0.99 * (len(api) - 1))] if api else None,
             "page_p99_ms": sorted(self.page_ms)[int(0.99 * (len(self.page_ms) - 1))] if self.page_ms else None,
-            "faults": acc.faults, "found": acc.found, "top1": acc.top1,
-            "recall_per_6h": {f"{b * 6}-{b * 6 + 6} h": (v[1] / v[0] if v[0] else None, v[0])
-                              for b, v in sorted(acc.per_block.items())},
-            "spikes_per_fault": statistics.fmean(acc.pages_per_fault) if acc.pages_per_fault else None,
-            "missed": acc.missed, "wrong": acc.wrong, "false_spikes": acc.false_spikes,
-            "false_by_reason": acc.false_by_reason, "plan": {"faults": len(plan.faults()), "swings": plan.swings(),
-                                                             "start_ns": plan.start_ns, "seconds": plan.seconds},
+            **accuracy_figures(acc), "plan": {"faults": len(plan.faults()), "swings": plan.swings(),
+                                              "start_ns": plan.start_ns, "seconds": plan.seconds},
         }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.soak import Soak, SoakSettings
+from harness.soak_replay import replay
 
 pytestmark = pytest.mark.slow
 
@@ -35,3 +36,12 @@ def test_two_minutes_of_soak_lose_nothing_leak_no_descriptor_and_find_the_fault(
     # the slow trace was broken down, and the wait shows as the caller's call (issue 31: assert only what
     # cannot be noise here; benchmarks.detection holds the causes to their bars).
     assert "no cause" not in " ".join(result["wrong"]), result["wrong"]
+
+
+def test_a_replay_of_the_soaks_traffic_finds_its_fault_with_its_service_and_pages_nothing_else(tmp_path: Path):
+    # No daemons: 36 minutes of the plan's event time through one engine. Deterministic, so the top cause and
+    # the absence of false spikes are asserted here, where the daemons' run can only report them.
+    result = replay(SoakSettings(hours=0.05, speed=12, rate=2000, seed=1, out=tmp_path))
+    assert result["event_hours"] == pytest.approx(0.6)
+    assert (result["faults"], result["found"], result["top1"]) == (1, 1, 1), (result["missed"], result["wrong"])
+    assert result["false_spikes"] == [] and result["spikes_per_fault"] == 1.0, result["false_spikes"]

@@ -1,0 +1,46 @@
+"""The soak's event time through one detection engine, without daemons (``python -m benchmarks.soak --replay``).
+
+A soak's accuracy mixes the detectors with what the machine did to the daemons: a starved collector counts
+spans late, judges windows on part of their requests and names hops without their callee. The replay feeds
+the same plan (:class:`harness.soak_traffic.SoakPlan`: the same seed, rate, faults, swings and churned names)
+second by second, in event order, to one :class:`DetectionEngine` and scores it as the run is scored. It is
+deterministic: the same settings give the same spikes on any machine, in the engine's time (about
+30 us a span: a 24-hour plan at the default rate takes about 40 minutes of one core). A run's own figures
+should come close to it when its machine kept up; where they do not, the difference is the run's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from harness.soak import SoakSettings, accuracy_figures, lateness_s, score
+from harness.soak_traffic import SoakPlan
+from spikehound.detectors.engine import DetectionEngine
+from spikehound.detectors.settings import DetectionSettings
+from spikehound.model import Spike
+from spikehound.model_json import spike_json
+from spikehound.units import NS
+
+REPLAY_START_NS = 1_767_225_600 * NS  # 2026-01-01: any whole minute would do
+
+
+def replay(settings: SoakSettings) -> dict[str, Any]:
+    """The accuracy figures of a soak with ``settings`` (its storage, operations and samples play no part)."""
+    plan = SoakPlan(seed=settings.seed, start_ns=REPLAY_START_NS, seconds=int(settings.hours * 3600 * settings.speed),
+                    spans_per_s=settings.rate / settings.speed, fault_every_s=settings.fault_every,
+                    churn=settings.churn)
+    engine = DetectionEngine(DetectionSettings(allowed_lateness_ns=int(lateness_s(settings.speed) * NS)))
+    spikes: dict[str, Spike] = {}
+    spans = 0
+    began = time.process_time()
+    for _, batch in plan.event_seconds():
+        engine.add(batch, [])
+        spans += len(batch)
+        spikes.update((s.id, s) for s in engine.advance().spikes)
+    spikes.update((s.id, s) for s in engine.flush().spikes)
+    accuracy = score(plan, [spike_json(s) for s in spikes.values()], float(plan.seconds))
+    return {"storage": "replay", "event_hours": plan.seconds / 3600, "spans": spans,
+            "engine_us_per_span": (time.process_time() - began) / max(spans, 1) * 1e6,
+            **accuracy_figures(accuracy)}
+
