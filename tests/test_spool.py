@@ -321,10 +321,17 @@ def test_drained_spool_is_empty_and_read_segments_are_deleted(spools, spool_dir)
     assert spool.bytes_used == 0
     assert len(spool) == 0
     assert segments(spool_dir) == before[-1:]  # only the tail, still open for writing, is left
+    assert before[-1].stat().st_size == 0  # and emptied: a drained spool holds no disk (it kept up to 16 MiB)
     spool.append(item(100))
     assert drain(spool) == [100]
-    assert spool.bytes_used == 0
+    assert spool.bytes_used == 0 and before[-1].stat().st_size == 0
     assert spool.has_room(spool.max_bytes)  # the cap counts only what is unsent
+    spool.append(item(101))  # written into the emptied segment, then read after a restart exactly once
+    spool = reopen(spools, spool)
+    spool.append(item(102))
+    assert drain(spool) == [101, 102]
+    spool = reopen(spools, spool)
+    assert (len(spool), spool.peek(), spool.bytes_used) == (0, None, 0)
 
 
 def test_prepend_onto_a_partly_read_head_of_many_segments(spools, spool_dir):
