@@ -183,6 +183,20 @@ def pooled_slope(points: Iterable[tuple[float, float, int]]) -> float | None:
     return num / den if den else None
 
 
+def life_levels(samples: list[dict[str, Any]], figure: str = "rss_mb") -> list[float]:
+    """The collector's median ``figure`` in each life, from ``LIFE_SETTLE_S`` after its start: a leak raises
+    each life above the one before, while a slope within a life also holds the life's own filling (its
+    streams, trace buffer and memos reach their bounds in 10-20 minutes).
+
+    >>> rows = [{"life": 1, "wall_s": t, "collector": {"pss_mb": 500 + t / 100}} for t in range(0, 1500, 300)]
+    >>> life_levels(rows + [{"life": 2, "wall_s": 1500 + t, "collector": {"pss_mb": 700.0}} for t in (0, 300, 600)],
+    ...             "pss_mb")
+    [507.5, 700.0]
+    """
+    return [round(statistics.median(values), 1) for life in sorted({s["life"] for s in samples})
+            if (values := [s["collector"][figure] for s in settled_samples(samples)
+                           if s["life"] == life and s.get("collector") and figure in s["collector"]])]
+
 @dataclass
 class Canary:
     trace: str
@@ -570,6 +584,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                                    **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False, "pss_mb")
                                       for i in range(len(self.agents))}},
             "collector_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "main_rss_mb"),
+            "collector_pss_mb_by_life": life_levels(self.samples, "pss_mb"),
             "collector_rss_mb_max": max((s["collector"]["rss_mb"] for s in self.samples if s.get("collector")),
                                         default=None),
             "collector_fds": [min(fds, default=0), max(fds, default=0)],
