@@ -197,6 +197,7 @@ def life_levels(samples: list[dict[str, Any]], figure: str = "rss_mb") -> list[f
             if (values := [s["collector"][figure] for s in settled_samples(samples)
                            if s["life"] == life and s.get("collector") and figure in s["collector"]])]
 
+
 @dataclass
 class Canary:
     trace: str

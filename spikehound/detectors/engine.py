@@ -403,9 +403,9 @@ class DetectionEngine:
         service's network from the route's: loci linked by a slowed hop are one group, and a group that
         touches an open incident's loci extends it. A stream whose window test fired goes with the locus
         most of its slow requests point to, linked to the callers of a slowed hop there (or its open
-        incident's). What cannot be attributed (its trace
-        is no longer buffered, as after a restart) goes with the largest group of the same window: streams
-        that turn anomalous together are one incident unless their traces say otherwise.
+        incident's). What cannot be attributed (its trace is no longer buffered, as after a restart) goes
+        with the largest group of the same window: streams that turn anomalous together are one incident
+        unless their traces say otherwise.
         """
         seen: dict[bytes, list[tuple[Judgement, SlowRequest]]] = {}
         for j in hot:
