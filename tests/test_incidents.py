@@ -7,6 +7,7 @@ a delay in front of a sparse service, a stall, a pause, two faults at once.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.incidents import Group, IncidentBook, incident_onset
@@ -340,12 +341,22 @@ class _Mesh:
         return spans
 
 
+def _through_engine(seconds: int, spans_at: Callable[[int], list[Span]]) -> dict[str, object]:
+    """``spans_at(second)`` for each second through one engine, as the collector feeds it; the spikes by id."""
+    engine, spikes = DetectionEngine(DetectionSettings()), {}
+    for second in range(seconds):
+        engine.add(spans_at(second))
+        spikes.update((s.id, s) for s in engine.advance().spikes)
+    spikes.update((s.id, s) for s in engine.flush().spikes)
+    return spikes
+
+
 def _run(minutes: int, per_minute: float, fault: tuple[int, int, str, int] | None = None,
          stall_at: tuple[int, ...] = (), pause_at: int | None = None, database: bool = False) -> dict[str, object]:
     """Minutes of traffic second by second through one engine; ``fault`` = (from s, to s, service, ns)."""
-    mesh, engine, spikes = _Mesh(database=database), DetectionEngine(DetectionSettings()), {}
-    rng = random.Random(7)
-    for second in range(minutes * 60):
+    mesh, rng = _Mesh(database=database), random.Random(7)
+
+    def spans_at(second: int) -> list[Span]:
         spans: list[Span] = []
         arrivals = [rng.random() for _ in range(10) if rng.random() < per_minute / 600]
         if pause_at is not None and pause_at <= second < pause_at + 2:
@@ -358,10 +369,9 @@ def _run(minutes: int, per_minute: float, fault: tuple[int, int, str, int] | Non
             if pause_at is not None and pause_at <= second < pause_at + 2:
                 stall = T0 + (pause_at + 2) * NS - start  # everyone in the paused service waits until it resumes
             spans += mesh.request(start, route, delay, stall)
-        engine.add(spans)
-        spikes.update((s.id, s) for s in engine.advance().spikes)
-    spikes.update((s.id, s) for s in engine.flush().spikes)
-    return spikes
+        return spans
+
+    return _through_engine(minutes * 60, spans_at)
 
 
 def test_a_delay_in_front_of_a_sparse_service_opens_one_spike_naming_the_hop_into_it():
@@ -429,8 +439,9 @@ def _busy(pause_at: int | None = None, fault_at: int | None = None, seconds: int
           seed: int = 5) -> dict[str, object]:
     """Twenty requests a second; ``pause_at``: ts-order stops for 3 s (each call in it then waits until it
     resumes); ``fault_at``: calls into ts-order take 300 ms more for a minute."""
-    mesh, engine, spikes, rng = _Mesh(seed), DetectionEngine(DetectionSettings()), {}, random.Random(seed)
-    for second in range(seconds):
+    mesh, rng = _Mesh(seed), random.Random(seed)
+
+    def spans_at(second: int) -> list[Span]:
         spans: list[Span] = []
         for i in range(20):
             start = T0 + second * NS + i * NS // 20 + rng.randrange(NS // 40)
@@ -440,10 +451,9 @@ def _busy(pause_at: int | None = None, fault_at: int | None = None, seconds: int
                 stall = T0 + (pause_at + 3) * NS - start
             delay = {"ts-order": 300 * MS} if fault_at is not None and fault_at <= second < fault_at + 60 else None
             spans += mesh.request(start, route, delay, stall)
-        engine.add(spans)
-        spikes.update((s.id, s) for s in engine.advance().spikes)
-    spikes.update((s.id, s) for s in engine.flush().spikes)
-    return spikes
+        return spans
+
+    return _through_engine(seconds, spans_at)
 
 
 def test_a_pause_on_busy_routes_opens_nothing_though_tail_requests_elsewhere_in_its_window_widen_it():
@@ -460,8 +470,9 @@ def test_a_pause_on_busy_routes_opens_nothing_though_tail_requests_elsewhere_in_
 def _netem(seconds: int = 8 * 60, fault_at: int = 6 * 60, seed: int = 4) -> dict[str, object]:
     """Twenty requests a second; half book through ts-pay, which asks ts-config for its settings. From
     ``fault_at`` for two minutes ts-pay's own network adds 400 ms each way: calls into it and its call out."""
-    mesh, engine, spikes, rng = _Mesh(seed), DetectionEngine(DetectionSettings()), {}, random.Random(seed)
-    for second in range(seconds):
+    mesh, rng = _Mesh(seed), random.Random(seed)
+
+    def spans_at(second: int) -> list[Span]:
         spans: list[Span] = []
         net = 400 * MS if fault_at <= second < fault_at + 120 else 0
         for i in range(20):
@@ -486,10 +497,9 @@ def _netem(seconds: int = 8 * 60, fault_at: int = 6 * 60, seed: int = 4) -> dict
             server.end_unix_nano = t
             client.end_unix_nano = t + MS + (net if book else 0)
             root.end_unix_nano = client.end_unix_nano + MS
-        engine.add(spans)
-        spikes.update((s.id, s) for s in engine.advance().spikes)
-    spikes.update((s.id, s) for s in engine.flush().spikes)
-    return spikes
+        return spans
+
+    return _through_engine(seconds, spans_at)
 
 
 def test_a_slowed_network_read_from_its_route_and_from_its_busy_hop_out_is_one_spike():
