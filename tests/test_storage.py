@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 
 from spikehound.model import (
     Span,
@@ -55,7 +55,7 @@ def test_upgrade_reaches_head_is_idempotent_and_matches_the_schema(db_url):
     eng = make_engine(db_url)
     try:
         assert current_revision(eng) is None
-        assert head_revision() == "0010"
+        assert head_revision() == "0011"
         assert upgrade(eng) == head_revision()
         Writer(eng).write(WriteBatch(spans=[make_span(1, 1)]), now_ns=NOW)
 
@@ -66,6 +66,22 @@ def test_upgrade_reaches_head_is_idempotent_and_matches_the_schema(db_url):
         with eng.connect() as conn:
             context = MigrationContext.configure(conn, opts={"compare_type": True})
             assert compare_metadata(context, metadata) == []
+    finally:
+        eng.dispose()
+
+
+@pytest.mark.postgres
+def test_span_blocks_large_enough_to_compress_are_stored_with_lz4_on_postgresql(pg_url):
+    eng = make_engine(pg_url)
+    try:
+        upgrade(eng)
+        # A request's block of a few hundred spans is some kilobytes: PostgreSQL compresses it when stored.
+        Writer(eng).write(WriteBatch(spans=[make_span(1, n) for n in range(1, 201)]), now_ns=NOW)
+        with eng.connect() as conn:
+            method, stored, encoded = conn.execute(text(
+                "SELECT pg_column_compression(payload), pg_column_size(payload), length(payload) "
+                "FROM span_blocks")).one()
+        assert (method, stored < encoded / 2) == ("lz4", True)
     finally:
         eng.dispose()
 
