@@ -21,7 +21,7 @@ from harness.api_client import list_spikes
 from harness.daemons import CollectorProcess
 from harness.scenario_io import scenario_requests, send
 from harness.scenarios.traffic import Scenario
-from harness.scrape import sample, scrape
+from harness.scrape import Samples, sample, scrape, total
 from harness.waiting import eventually
 from tests.support.sdk_traffic import GrpcExports
 
@@ -36,6 +36,13 @@ def _detection_process(collector: CollectorProcess) -> psutil.Process:
 
 def _metric(collector: CollectorProcess, name: str) -> float:
     return sample(scrape(collector.api), name) or 0.0
+
+
+def _counted_as_stored(collector: CollectorProcess) -> Samples | None:
+    """The collector's samples once its span metrics count as many spans as it stored."""
+    samples = scrape(collector.api)
+    counted = total(samples, "traces_span_metrics_calls_total")
+    return samples if counted == sample(samples, "spikehound_ingest_stored_total", signal="spans") else None
 
 
 def test_a_killed_detection_process_is_forked_again_and_still_finds_the_fault(tmp_path: Path):
@@ -96,11 +103,17 @@ def test_a_detection_process_killed_under_grpc_load_is_started_again_every_time(
             eventually(serving, f"a new detection process after kill {kills}", timeout=60, every=0.1)
         load.wait_acked(load.acked + 20)  # still taking exports
         restarts = _metric(collector, "spikehound_detection_process_restarts_total")
+        load.stop()
+        # The span metrics are counted in the detection process: the spans of the commits a killed one had not
+        # answered, and of those made while none ran, are counted by the collector, and none twice.
+        samples = eventually(lambda: _counted_as_stored(collector), "every stored span counted once in the span "
+                             "metrics", timeout=30, every=0.2)
     finally:
         load.stop()
         collector.kill()
     log = collector.log_text()
     assert restarts == 4, log[-3000:]
+    assert total(samples, "traces_span_metrics_calls_total") >= load.acked * load.spans > 0
     assert "could not be started again" not in log and not re.search(r"exit code -(6|11)\b", log), log[-3000:]
 
 

@@ -200,3 +200,22 @@ def test_series_that_went_quiet_are_dropped_so_that_new_names_get_series_again()
     assert named() == {"GET /health", "GET /orders/{id}"}
     assert metrics.dropped_series == 6  # three names, each in both sets
     assert metrics.overflow_spans == 2 * 7  # the flood's names past the limit, in both sets
+
+
+def test_counts_taken_from_one_instance_add_up_in_another_within_its_bounds():
+    """The detection process counts each commit's spans and the collector's instance adds them: the same series
+    as counting there, and keys past the collector's bound go to its overflow series, every span counted."""
+
+    def span(name: str, ms: int) -> Span:
+        return Span(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, parent_span_id=None, service="router", host="h1",
+                    name=name, kind=SpanKind.SERVER, start_unix_nano=0, end_unix_nano=ms * MS, status=StatusCode.OK)
+
+    batches = [[span("GET /a", 3), span("GET /b", 70)], [span("GET /a", 900), span("GET /c", 5)]]
+    direct, added, counting = SpanMetrics(max_series=2), SpanMetrics(max_series=2), SpanMetrics(max_series=2**31)
+    for spans in batches:
+        direct.add_spans(spans)
+        counting.add_spans(spans)
+        added.add_counts(counting.take_counts())
+    assert counting.take_counts().calls == {}  # taking starts the counts again
+    assert [list(f.samples) for f in added.collect()] == [list(f.samples) for f in direct.collect()]
+    assert added.overflow_spans == direct.overflow_spans == 2  # GET /c in both sets

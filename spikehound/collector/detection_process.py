@@ -36,12 +36,13 @@ from spikehound.collector.detection_worker import serve
 from spikehound.collector.detector_metrics import ENGINE_COUNTERS, ENGINE_GAUGES, DetectorMetrics
 from spikehound.collector.outgoing import Outgoing
 from spikehound.collector.pipeline import Flush
+from spikehound.collector.span_metrics import SpanMetrics
 from spikehound.collector.spike_announcer import SpikeAnnouncer
 from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection
-from spikehound.otlp import encode_spans
+from spikehound.otlp import encode_spans, spans_of_block
 from spikehound.storage import checkpoints
 from spikehound.storage.writer import WriteBatch
 
@@ -60,35 +61,40 @@ WAITING_BYTES = 32 * 2**20  # span blocks handed over and not yet taken by the c
 class _Child:
     """One detection process and its two pipes; its answers are read on a thread of their own."""
 
-    def __init__(self, settings: DriverSettings, url: str, sqlite_synchronous: str,
-                 took: Callable[[tuple[Any, ...]], None]) -> None:
+    def __init__(self, settings: DriverSettings, url: str, sqlite_synchronous: str, count_spans: bool,
+                 took: Callable[[tuple[Any, ...]], None], unanswered: Callable[[list[bytes]], None]) -> None:
         to_child, self._inbox = multiprocessing.Pipe(duplex=False)
         self._outbox, from_child = multiprocessing.Pipe(duplex=False)
         # Forked: the child starts with the modules loaded, in milliseconds, and touches none of the
         # collector's objects (its own engine, driver and registry).
         self.process = multiprocessing.get_context("fork").Process(
-            target=serve, args=(settings, url, sqlite_synchronous, to_child, from_child),
+            target=serve, args=(settings, url, sqlite_synchronous, count_spans, to_child, from_child),
             name="spikehound-detection", daemon=True)
         self.process.start()
         to_child.close()
         from_child.close()
         self.alive = True
         self._took = took
+        self._unanswered = unanswered
         self._tokens = itertools.count()
         self._answers: dict[int, concurrent.futures.Future[Any]] = {}
         # Commits may wait for the child, so that the writer goes on while it takes a window's step (a burst);
         # past WAITING_BYTES of them, ``send`` blocks (the back-pressure).
         self._waiting: collections.deque[tuple[tuple[Any, ...] | None, int]] = collections.deque()
         self._waiting_bytes = 0
+        # Per message handed over, in order, until its "out" answer: a feed's span blocks (else None). The
+        # blocks of those a dead child never answered go to ``unanswered`` (their spans were counted nowhere).
+        self._sent: collections.deque[list[bytes] | None] = collections.deque()
         self._changed = threading.Condition()
         self._sender = threading.Thread(target=self._send_waiting, name="spikehound-detection-feed", daemon=True)
         self._reader = threading.Thread(target=self._read, name="spikehound-detection-answers", daemon=True)
         self._sender.start()
         self._reader.start()
 
-    def send(self, message: tuple[Any, ...], size: int = 0) -> None:
-        """Hand over a message of ``size`` bytes, in order; blocks while WAITING_BYTES wait for the child (one
-        message always goes). A dead child's is lost: its replacement replays from storage."""
+    def send(self, message: tuple[Any, ...], size: int = 0, blocks: list[bytes] | None = None) -> bool:
+        """Hand over a message of ``size`` bytes (a feed's span ``blocks``), in order; blocks while WAITING_BYTES
+        wait for the child (one message always goes). False when the child is gone: its replacement replays
+        from storage."""
         hung_at = time.monotonic() + ANSWER_SECONDS
         with self._changed:
             while self.alive and self._waiting and self._waiting_bytes + size > WAITING_BYTES:
@@ -99,8 +105,11 @@ class _Child:
                     self.process.kill()
                     hung_at = float("inf")  # its reader sees the end and says it is gone
                 self._changed.wait(1.0)
-            if self.alive:
-                self._put(message, size)
+            if not self.alive:
+                return False
+            self._put(message, size)
+            self._sent.append(blocks)
+            return True
 
     def _put(self, message: tuple[Any, ...] | None, size: int) -> None:
         self._waiting.append((message, size))
@@ -149,6 +158,8 @@ class _Child:
                     if answer is not None:
                         answer.set_result(message[2])
                 else:
+                    with self._changed:
+                        self._sent.popleft()
                     self._took(message)
             except Exception:
                 # Unread, the child would block on its next answer and the writer on the child: end it, and the
@@ -156,8 +167,13 @@ class _Child:
                 log.exception("an answer of the detection process could not be taken: it is ended")
                 self.process.kill()
                 break
-        self.alive = False
+        with self._changed:  # no message is handed over after this
+            self.alive = False
+            unanswered, self._sent = self._sent, collections.deque()
         self._fail_answers()
+        for blocks in unanswered:
+            if blocks:
+                self._unanswered(blocks)
 
     def _fail_answers(self) -> None:
         while self._answers:
@@ -221,6 +237,7 @@ class ProcessDetection:
         self._gone: int | None = None  # the process id of the child whose end was counted
         self._next_start = 0.0  # monotonic seconds: no new child before (one that failed to start)
         self._next_checkpoint = clock() + settings.checkpoint_seconds
+        self.span_metrics: SpanMetrics | None = None  # counted by the child, added here (see count_spans)
 
     def stats(self) -> dict[str, int]:
         """The child's figures as of its last answer (from any thread)."""
@@ -241,8 +258,15 @@ class ProcessDetection:
             await asyncio.to_thread(self._child.stop)
             self._child = None
 
+    def count_spans(self, metrics: SpanMetrics) -> None:
+        """Before start: the child counts the spans of every commit into ``metrics`` (it decodes them anyway,
+        and the collector's core is the ingest's). A commit made while no child runs, and those a child that
+        died never answered, are counted here."""
+        self.span_metrics = metrics
+
     async def _start_child(self) -> None:
-        self._child = child = _Child(*self._child_args, took=self._took)
+        self._child = child = _Child(*self._child_args, count_spans=self.span_metrics is not None,
+                                     took=self._took, unanswered=self._count_blocks)
         self._child_failures = {}  # the new child counts from 0
         started = time.perf_counter()
         open_ids = await asyncio.wait_for(asyncio.wrap_future(child.ask("resume")), RESUME_SECONDS)
@@ -275,8 +299,10 @@ class ProcessDetection:
     # -- the child's answers (on its reader thread) --------------------------------------------------
 
     def _took(self, message: tuple[Any, ...]) -> None:
-        _, windows, spikes, stats, failures = message
+        _, windows, spikes, stats, failures, span_counts = message
         self.outgoing.keep(Detection(windows=windows, spikes=spikes))
+        if span_counts is not None and self.span_metrics is not None:
+            self.span_metrics.add_counts(span_counts)
         with self._lock:
             self._stats = stats
         for part, count in failures.items():  # counted by the child, exposed here
@@ -289,12 +315,23 @@ class ProcessDetection:
 
     def committed(self, batch: WriteBatch) -> None:
         """On the writer thread, right after ``batch`` committed: hand its blocks to the child; never raises."""
+        if not batch.spans and not batch.points:
+            return
         child = self._child
-        if (not batch.spans and not batch.points) or child is None or not child.alive:
-            return  # a dead child's replacement replays this batch from storage
-        payloads = ([block.payload for block in batch.blocks] if batch.blocks or not batch.spans
-                    else [encode_spans(batch.spans).SerializeToString()])
-        child.send(("feed", payloads, list(batch.points)), sum(map(len, payloads)) + POINT_BYTES * len(batch.points))
+        if child is not None and child.alive:
+            payloads = ([block.payload for block in batch.blocks] if batch.blocks or not batch.spans
+                        else [encode_spans(batch.spans).SerializeToString()])
+            size = sum(map(len, payloads)) + POINT_BYTES * len(batch.points)
+            if child.send(("feed", payloads, list(batch.points)), size, payloads):
+                return
+        # A dead child's replacement replays this batch from storage for the detectors, but counts no span of it.
+        if self.span_metrics is not None:
+            self.span_metrics.add(batch)
+
+    def _count_blocks(self, blocks: list[bytes]) -> None:
+        """On the answers' thread: the spans of a feed that a dead child never answered."""
+        if self.span_metrics is not None:
+            self.span_metrics.add(WriteBatch(spans=[s for block in blocks for s in spans_of_block(block)]))
 
     def take_outgoing(self) -> Detection:
         return self.outgoing.take()

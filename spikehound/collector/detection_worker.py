@@ -14,9 +14,10 @@ collector -> detection               meaning
 ``("snapshot", token)``              answers the pickled learned state (everything sent before it is in it)
 ===================================  =====================================================================
 
-Back, after every message: ``("out", windows, spikes, stats, errors)`` (what the step produced to be written,
-windows without their samples; the driver's figures; failures counted per part), then ``("reply", token,
-value)`` where the message asked for one. The detection process never writes to storage: it reads its
+Back, after every message: ``("out", windows, spikes, stats, errors, span_counts)`` (what the step produced to
+be written, windows without their samples; the driver's figures; failures counted per part; when the collector
+asked for span metrics, the ``SpanCounts`` of the feed's spans, else None), then ``("reply", token, value)``
+where the message asked for one. The detection process never writes to storage: it reads its
 checkpoint and the commits to replay, and the collector's writer commits what it sends back, so SQLite still
 has one writer.
 """
@@ -36,6 +37,7 @@ from typing import Any
 
 from spikehound.collector.commit_feed import CommitFeed
 from spikehound.collector.detection_driver import CHECKPOINT_NAME, DetectionDriver, DriverSettings
+from spikehound.collector.span_metrics import SpanMetrics
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.heap import release_free_heap
 from spikehound.model import Span
@@ -48,9 +50,16 @@ __all__ = ["serve"]
 
 log = logging.getLogger("spikehound.collector.detection")
 
+COUNTED_SERIES = 2**31  # a feed's span counts go back whole: the collector's instance applies the bounds
 
-def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, inbox: Connection, outbox: Connection) -> None:
-    """The detection process's whole life: until the collector closes ``inbox`` (or dies)."""
+
+def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, count_spans: bool, inbox: Connection,
+          outbox: Connection) -> None:
+    """The detection process's whole life: until the collector closes ``inbox`` (or dies).
+
+    With ``count_spans``, the spans of every feed are counted for the collector's span metrics (a replay's
+    are not: they were counted when first committed).
+    """
     # The collector's signals are the collector's: systemd sends SIGTERM to every process of the unit, and the
     # collector ends this one once its last checkpoint is saved. The event loop's wake-up descriptor, inherited
     # with the fork, must not be written to from here.
@@ -66,6 +75,7 @@ def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, inbox: Co
     engine = make_engine(url, sqlite_synchronous=sqlite_synchronous)
     driver = DetectionDriver(settings, CollectorTelemetry(), advance_while_held=False)
     feed = CommitFeed(driver, Reader(engine))
+    counts = SpanMetrics(max_series=COUNTED_SERIES) if count_spans else None
     try:
         while True:
             try:
@@ -74,10 +84,10 @@ def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, inbox: Co
                 return
             if message[0] == "stop":
                 return
-            answer = _handle(message, driver, feed, engine)
+            answer = _handle(message, driver, feed, engine, counts)
             out = driver.take_outgoing()
             outbox.send(("out", [replace(w, samples=()) for w in out.windows], out.spikes, driver.stats(),
-                         dict(driver.failures.counts)))
+                         dict(driver.failures.counts), counts.take_counts() if counts is not None else None))
             if answer is not None:
                 outbox.send(("reply", answer[0], answer[1]))
     except (BrokenPipeError, ConnectionResetError):
@@ -103,8 +113,8 @@ def _close_inherited(keep: set[int]) -> None:
                 os.close(fd)
 
 
-def _handle(message: tuple[Any, ...], driver: DetectionDriver, feed: CommitFeed,
-            engine: Any) -> tuple[int, Any] | None:
+def _handle(message: tuple[Any, ...], driver: DetectionDriver, feed: CommitFeed, engine: Any,
+            counts: SpanMetrics | None) -> tuple[int, Any] | None:
     """Act on one message; (token, value) where it asks for an answer."""
     kind = message[0]
     if kind == "feed":
@@ -112,6 +122,8 @@ def _handle(message: tuple[Any, ...], driver: DetectionDriver, feed: CommitFeed,
         spans: list[Span] = []
         for payload in payloads:
             spans += spans_of_block(payload)
+        if counts is not None:
+            counts.add_spans(spans)
         feed.committed(spans, points)
         return None
     if kind == "idle":

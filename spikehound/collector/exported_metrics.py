@@ -6,6 +6,7 @@ They are read by Prometheus from the collector's ``/metrics`` beside its own cou
 
 from __future__ import annotations
 
+from spikehound.collector.detection_process import ProcessDetection
 from spikehound.collector.pipeline import IngestPipeline
 from spikehound.collector.resource_metrics import ResourceMetrics
 from spikehound.collector.span_metrics import SpanMetrics
@@ -26,7 +27,11 @@ def install_exported_metrics(cfg: Config, pipeline: IngestPipeline, telemetry: C
     spans = None
     if cfg.collector.span_metrics:
         spans = SpanMetrics(cfg.collector.span_metrics_max_series)
-        pipeline.commit_hooks.add(spans.add)
+        detection = pipeline.parts.detection
+        if isinstance(detection, ProcessDetection):
+            detection.count_spans(spans)  # in the detection process, which decodes every committed span anyway
+        else:
+            pipeline.commit_hooks.add(spans.add)
         telemetry.registry.register(spans)
     resources = ResourceMetrics(RESOURCE_MAX_SERIES)
     pipeline.commit_hooks.add(resources.add)

@@ -1,6 +1,8 @@
 """Span metrics on ``/metrics``: RED metrics derived from every committed span.
 
-Two sets of series, both fed in bulk from the writer thread after each commit:
+Two sets of series, both fed in bulk after each commit: by the detection process, which decodes every
+committed span anyway, when detection runs in its own (its counts come back with its answers and are added
+here, ``add_counts``), else from the writer thread (the ``add`` commit hook):
 
 * The OpenTelemetry Collector **spanmetrics connector**'s series (v0.109 and later, as its Prometheus
   exporter writes them), so that Jaeger's Monitor tab and existing spanmetrics dashboards work unchanged:
@@ -45,6 +47,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
@@ -103,16 +106,32 @@ class _Histograms:
     def new_row(self) -> list[int]:
         return [0] * (len(self.bounds_ns) + 2)
 
-    def row_for_new(self, key: tuple[Any, ...]) -> list[int]:
-        """The row a key without one gets: its own while both bounds allow, else the overflow row."""
+    def row_for_new(self, key: tuple[Any, ...], spans: int = 1) -> list[int]:
+        """The row a key without one gets: its own while both bounds allow, else the overflow row (which then
+        counts ``spans`` more spans of keys that got none)."""
         if len(self.rows) < self.max_series:  # once full, every span of a new key comes here: keep it cheap
             chars = _label_chars(key)
             if self.label_chars + chars <= self.max_label_chars:
                 self.label_chars += chars
                 row = self.rows[key] = self.new_row()
                 return row
-        self.overflow_spans += 1
+        self.overflow_spans += spans
         return self.overflow_row
+
+    def add_rows(self, rows: dict[Any, list[int]]) -> None:
+        """Add rows counted elsewhere (``SpanCounts``), key by key, within the bounds."""
+        get = self.rows.get
+        for key, counted in rows.items():
+            row = get(key)
+            if row is None:
+                row = self.row_for_new(key, sum(counted[:-1]))
+            for i, n in enumerate(counted):
+                row[i] += n
+
+    def take_rows(self) -> dict[Any, list[int]]:
+        """The rows counted so far, which start again from none."""
+        rows, self.rows, self.label_chars = self.rows, {}, 0
+        return rows
 
     def drop_idle(self, counted_before: dict[Any, int]) -> dict[Any, int]:
         """Drop the rows whose count is what ``counted_before`` (the last sweep's return) says; each row's count."""
@@ -128,6 +147,14 @@ class _Histograms:
 
     def snapshot(self) -> tuple[list[tuple[Any, list[int]]], list[int]]:
         return [(k, row[:]) for k, row in self.rows.items()], self.overflow_row[:]
+
+
+@dataclass(frozen=True, slots=True)
+class SpanCounts:
+    """Rows of both sets counted by one instance, to be added to another's (``SpanMetrics.add_counts``)."""
+
+    calls: dict[Any, list[int]]
+    entry: dict[Any, list[int]]
 
 
 class SpanMetrics(Collector):
@@ -158,6 +185,21 @@ class SpanMetrics(Collector):
             if self.errors == 1:
                 log.exception("span metrics could not take a batch (%s); counting in "
                               "spikehound_span_metrics_errors_total from now on", exc.__class__.__name__)
+
+    def add_counts(self, counts: SpanCounts) -> None:
+        """Take what ``take_counts`` of another instance returned (the detection process counts the spans it
+        decodes, and the collector's instance, the one scraped, adds its counts after each commit)."""
+        with self._lock:
+            self._calls.add_rows(counts.calls)
+            self._entry.add_rows(counts.entry)
+            if self._clock() >= self._next_sweep:
+                self._drop_idle()
+
+    def take_counts(self) -> SpanCounts:
+        """What was counted since the last call (or since start), which starts again from nothing; for an
+        instance that only counts (``max_series`` as large as a message's distinct series can be)."""
+        with self._lock:
+            return SpanCounts(self._calls.take_rows(), self._entry.take_rows())
 
     def add_spans(self, spans: Iterable[Span]) -> None:
         calls, entry = self._calls, self._entry
