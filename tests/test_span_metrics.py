@@ -16,6 +16,7 @@ from opentelemetry import trace
 from harness.daemons import CollectorThread, collector_config
 from harness.scrape import Samples, parse, sample, scrape, scrape_text
 from harness.waiting import eventually
+from spikehound.collector.detection_worker import span_counter
 from spikehound.collector.span_metrics import SpanMetrics
 from spikehound.model import Cause, CauseKind, Span, SpanKind, Spike, StatusCode
 from spikehound.storage.engine import make_engine
@@ -202,20 +203,27 @@ def test_series_that_went_quiet_are_dropped_so_that_new_names_get_series_again()
     assert metrics.overflow_spans == 2 * 7  # the flood's names past the limit, in both sets
 
 
-def test_counts_taken_from_one_instance_add_up_in_another_within_its_bounds():
+def test_counts_taken_from_the_detection_process_add_up_in_the_collector_within_its_bounds():
     """The detection process counts each commit's spans and the collector's instance adds them: the same series
-    as counting there, and keys past the collector's bound go to its overflow series, every span counted."""
+    as counting there, keys past the collector's bound in its overflow series, and every span counted, also
+    on steady traffic across the ten-minute sweeps of idle series (where a feed counts as much as the last)."""
+    now = [0.0]
 
     def span(name: str, ms: int) -> Span:
         return Span(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, parent_span_id=None, service="router", host="h1",
                     name=name, kind=SpanKind.SERVER, start_unix_nano=0, end_unix_nano=ms * MS, status=StatusCode.OK)
 
     batches = [[span("GET /a", 3), span("GET /b", 70)], [span("GET /a", 900), span("GET /c", 5)]]
-    direct, added, counting = SpanMetrics(max_series=2), SpanMetrics(max_series=2), SpanMetrics(max_series=2**31)
-    for spans in batches:
+    batches += [[span("GET /a", 3), span("GET /b", 70)]] * 1800  # one commit a second for half an hour
+    direct, added = SpanMetrics(max_series=2, clock=lambda: now[0]), SpanMetrics(max_series=2, clock=lambda: now[0])
+    counting = span_counter(clock=lambda: now[0])
+    for second, spans in enumerate(batches):
+        now[0] = float(second)
         direct.add_spans(spans)
         counting.add_spans(spans)
         added.add_counts(counting.take_counts())
     assert counting.take_counts().calls == {}  # taking starts the counts again
     assert [list(f.samples) for f in added.collect()] == [list(f.samples) for f in direct.collect()]
+    calls = next(iter(added.collect()))
+    assert sum(s.value for s in calls.samples) == 2 * len(batches)
     assert added.overflow_spans == direct.overflow_spans == 2  # GET /c in both sets

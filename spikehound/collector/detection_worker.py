@@ -31,6 +31,8 @@ import multiprocessing
 import os
 import signal
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -75,7 +77,7 @@ def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, count_spa
     engine = make_engine(url, sqlite_synchronous=sqlite_synchronous)
     driver = DetectionDriver(settings, CollectorTelemetry(), advance_while_held=False)
     feed = CommitFeed(driver, Reader(engine))
-    counts = SpanMetrics(max_series=COUNTED_SERIES) if count_spans else None
+    counts = span_counter() if count_spans else None
     try:
         while True:
             try:
@@ -94,6 +96,12 @@ def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, count_spa
         return  # the collector is gone
     finally:
         engine.dispose()
+
+
+def span_counter(clock: Callable[[], float] = time.monotonic) -> SpanMetrics:
+    """What counts the span metrics of each feed here, for the collector's instance to add (its bounds and
+    idle drop are the collector's: this one holds a message's counts at a time)."""
+    return SpanMetrics(max_series=COUNTED_SERIES, clock=clock, drop_idle=False)
 
 
 def _close_inherited(keep: set[int]) -> None:

@@ -43,6 +43,7 @@ turns the lists into samples when Prometheus scrapes.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from bisect import bisect_left
@@ -160,14 +161,17 @@ class SpanCounts:
 class SpanMetrics(Collector):
     """Aggregates committed spans; registered on the collector's registry, read when scraped."""
 
-    def __init__(self, max_series: int = 5_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_series: int = 5_000, clock: Callable[[], float] = time.monotonic, *,
+                 drop_idle: bool = True) -> None:
         self._lock = threading.Lock()
         self._calls = _Histograms([round(b * MS) for b in DURATION_BUCKETS_MS], max_series)
         self._entry = _Histograms([round(b * NS) for b in INFERENCE_BUCKETS_S], max_series)
         self.errors = 0
         self.dropped_series = 0
         self._clock = clock
-        self._next_sweep = clock() + SERIES_IDLE_SECONDS
+        # An instance that only counts for another (``take_counts``) holds one message's counts at a time: a row
+        # of it that counted as much as at the last sweep is not idle, and must not be dropped uncounted.
+        self._next_sweep = clock() + SERIES_IDLE_SECONDS if drop_idle else math.inf
         self._counted: tuple[dict[Any, int], dict[Any, int]] = ({}, {})  # each row's count at the last sweep
 
     def add(self, batch: Any) -> None:
@@ -197,7 +201,8 @@ class SpanMetrics(Collector):
 
     def take_counts(self) -> SpanCounts:
         """What was counted since the last call (or since start), which starts again from nothing; for an
-        instance that only counts (``max_series`` as large as a message's distinct series can be)."""
+        instance that only counts (``max_series`` as large as a message's distinct series can be, and
+        ``drop_idle=False``)."""
         with self._lock:
             return SpanCounts(self._calls.take_rows(), self._entry.take_rows())
 

@@ -27,7 +27,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    _compress_blocks("pglz")
+    _compress_blocks("default")  # the server's default_toast_compression again
 
 
 def _compress_blocks(method: str) -> None:
