@@ -131,3 +131,29 @@ def test_a_killed_collector_takes_its_detection_process_with_it(tmp_path: Path):
     with socket.socket() as again:  # no listener the child inherited keeps the port
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", api_port))
+
+
+def test_a_stopped_detection_process_holds_the_senders_back_without_an_outage_of_storage(tmp_path: Path):
+    # SIGSTOPped under load, the detection process takes no commit: the writer waits for it, the queue fills and
+    # the receivers push back. Storage answered every commit meanwhile: it must not be declared unreachable
+    # (senders told UNAVAILABLE, /readyz 503, an outage counted) for the detection process's stop.
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
+    collector.start()
+    load = GrpcExports(collector.grpc_endpoint, senders=4).start()
+    try:
+        load.wait_acked(20)
+        child = _detection_process(collector)
+        child.suspend()
+        eventually(lambda: "for the detection process to take it" in collector.log_text(),
+                   "the writer to say it waits for the detection process", timeout=40, every=0.2)
+        child.resume()
+        load.wait_acked(load.acked + 20)  # taking exports again, from the same detection process
+        outages = total(scrape(collector.api), "spikehound_storage_outages_total")
+        load.stop()
+        eventually(lambda: _counted_as_stored(collector), "every stored span counted once", timeout=30, every=0.2)
+        same_child = _detection_process(collector).pid == child.pid
+    finally:
+        load.stop()
+        collector.kill()
+    assert outages == 0 and "storage unavailable" not in collector.log_text()
+    assert same_child  # resumed within ANSWER_SECONDS: not replaced

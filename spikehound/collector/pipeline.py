@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -239,8 +240,9 @@ class IngestPipeline:
         if detection is not None:
             detection.sent(out, committed=True)
 
-    def _write_and_tell(self, batch: WriteBatch) -> None:
-        """On the writer thread: commit, then tell the hooks and detection (keeps the loop free).
+    def _write_and_tell(self, batch: WriteBatch, committed: threading.Event) -> None:
+        """On the writer thread: commit (then set ``committed``), then tell the hooks and detection (keeps the
+        loop free).
 
         Only the commit may raise: the hooks and detection after it count their own failures, so that a batch
         on disk is never answered as a failed write.
@@ -254,6 +256,7 @@ class IngestPipeline:
             if member is not None:
                 member.forget()  # it may have committed all the same (an answer lost with the connection)
             raise
+        committed.set()
         if member is not None and batch.feed is not None:
             member.committed(batch.feed)
         self.commit_hooks.run(batch)
@@ -278,13 +281,20 @@ class IngestPipeline:
     async def _write(self, batch: WriteBatch) -> None:
         """Commit ``batch`` (and tell who is told of commits)."""
         started = time.perf_counter()
-        write = asyncio.ensure_future(self.writer_thread.run(self._write_and_tell, batch))
+        committed = threading.Event()
+        write = asyncio.ensure_future(self.writer_thread.run(self._write_and_tell, batch, committed))
         try:
             # A database that stops answering without closing the connection (a hung server; on loopback TCP
             # keepalives never fire) would keep every sender waiting: past STALL_SECONDS the outage is declared,
-            # and new requests are refused while this write waits on.
+            # and new requests are refused while this write waits on. A commit that went through and waits for
+            # the detection process to take it (behind, or stopped) is that process's back-pressure, not an
+            # outage: the queue fills and the receivers push back, and a process that takes nothing for
+            # ANSWER_SECONDS is replaced (detection_process.py).
             done, _ = await asyncio.wait({write}, timeout=STALL_SECONDS)
-            if not done:
+            if not done and committed.is_set():
+                log.warning("a commit has waited %.0f s for the detection process to take it (behind, or stopped); "
+                            "the senders wait meanwhile", STALL_SECONDS)
+            elif not done:
                 self.health.stalled(STALL_SECONDS)
             await write
         except Exception:
