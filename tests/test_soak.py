@@ -41,7 +41,11 @@ def test_two_minutes_of_soak_lose_nothing_leak_no_descriptor_and_find_the_fault(
 def test_a_replay_of_the_soaks_traffic_finds_its_fault_with_its_service_and_pages_nothing_else(tmp_path: Path):
     # No daemons: 36 minutes of the plan's event time through one engine. Deterministic, so the top cause and
     # the absence of false spikes are asserted here, where the daemons' run can only report them.
-    result = replay(SoakSettings(hours=0.05, speed=12, rate=2000, seed=1, out=tmp_path))
+    result = replay(SoakSettings(hours=0.05, speed=12, rate=2000, seed=1, out=tmp_path), state_every_s=600)
     assert result["event_hours"] == pytest.approx(0.6)
     assert (result["faults"], result["found"], result["top1"]) == (1, 1, 1), (result["missed"], result["wrong"])
     assert result["false_spikes"] == [] and result["spikes_per_fault"] == 1.0, result["false_spikes"]
+    # What the detectors hold, every 10 minutes of event time here: nothing learned at the start, then the
+    # traffic's streams.
+    state = result["state_mb_by_hour"]
+    assert len(state) == len(result["rss_mb_by_hour"]) == 4 and state[0] < 0.1 < state[1] <= max(state), state
