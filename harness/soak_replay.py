@@ -17,9 +17,10 @@ grows with time, not with the traffic's shape, shows there first.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
+
+import psutil
 
 from harness.soak import SoakSettings, accuracy_figures, lateness_s, score
 from harness.soak_traffic import SoakPlan
@@ -49,7 +50,7 @@ def replay(settings: SoakSettings, state_every_s: int = 3600) -> dict[str, Any]:
         if second % state_every_s == 0:
             measured = time.process_time()
             state_mb.append(round(len(engine.snapshot()) / 2**20, 2))
-            rss_mb.append(round(_rss_mb(), 1))
+            rss_mb.append(round(psutil.Process().memory_info().rss / 2**20, 1))
             held += time.process_time() - measured
         engine.add(batch, [])
         spans += len(batch)
@@ -60,8 +61,3 @@ def replay(settings: SoakSettings, state_every_s: int = 3600) -> dict[str, Any]:
             "engine_us_per_span": (time.process_time() - began - held) / max(spans, 1) * 1e6,
             "state_mb_by_hour": state_mb, "rss_mb_by_hour": rss_mb, **accuracy_figures(accuracy)}
 
-
-def _rss_mb() -> float:
-    """This process's resident memory now, in MiB (Linux)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

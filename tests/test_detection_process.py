@@ -8,10 +8,12 @@ and none of its ports stays bound.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -43,6 +45,21 @@ def _counted_as_stored(collector: CollectorProcess) -> Samples | None:
     samples = scrape(collector.api)
     counted = total(samples, "traces_span_metrics_calls_total")
     return samples if counted == sample(samples, "spikehound_ingest_stored_total", signal="spans") else None
+
+
+@contextlib.contextmanager
+def _under_grpc_load(tmp_path: Path) -> Iterator[tuple[CollectorProcess, GrpcExports]]:
+    """A collector on SQLite whose gRPC server four senders keep busy (20 requests acknowledged already); both
+    stopped on the way out."""
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
+    collector.start()
+    load = GrpcExports(collector.grpc_endpoint, senders=4).start()
+    try:
+        load.wait_acked(20)
+        yield collector, load
+    finally:
+        load.stop()
+        collector.kill()
 
 
 def test_a_killed_detection_process_is_forked_again_and_still_finds_the_fault(tmp_path: Path):
@@ -84,11 +101,7 @@ def test_a_detection_process_killed_under_grpc_load_is_started_again_every_time(
     # The child is forked from a collector whose gRPC server is serving exports. With grpcio's fork support on
     # (its default), most such forks crashed within milliseconds (SIGSEGV, or SIGABRT in ev_epoll1), and the
     # detectors stayed down, a new crash every 5 s, for as long as the load lasted.
-    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
-    collector.start()
-    load = GrpcExports(collector.grpc_endpoint, senders=4).start()
-    try:
-        load.wait_acked(20)
+    with _under_grpc_load(tmp_path) as (collector, load):
         for kills in range(1, 5):
             gone = _detection_process(collector)
             os.kill(gone.pid, signal.SIGKILL)
@@ -108,9 +121,6 @@ def test_a_detection_process_killed_under_grpc_load_is_started_again_every_time(
         # answered, and of those made while none ran, are counted by the collector, and none twice.
         samples = eventually(lambda: _counted_as_stored(collector), "every stored span counted once in the span "
                              "metrics", timeout=30, every=0.2)
-    finally:
-        load.stop()
-        collector.kill()
     log = collector.log_text()
     assert restarts == 4, log[-3000:]
     assert total(samples, "traces_span_metrics_calls_total") >= load.acked * load.spans > 0
@@ -137,11 +147,7 @@ def test_a_stopped_detection_process_holds_the_senders_back_without_an_outage_of
     # SIGSTOPped under load, the detection process takes no commit: the writer waits for it, the queue fills and
     # the receivers push back. Storage answered every commit meanwhile: it must not be declared unreachable
     # (senders told UNAVAILABLE, /readyz 503, an outage counted) for the detection process's stop.
-    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path)
-    collector.start()
-    load = GrpcExports(collector.grpc_endpoint, senders=4).start()
-    try:
-        load.wait_acked(20)
+    with _under_grpc_load(tmp_path) as (collector, load):
         child = _detection_process(collector)
         child.suspend()
         eventually(lambda: "for the detection process to take it" in collector.log_text(),
@@ -152,8 +158,5 @@ def test_a_stopped_detection_process_holds_the_senders_back_without_an_outage_of
         load.stop()
         eventually(lambda: _counted_as_stored(collector), "every stored span counted once", timeout=30, every=0.2)
         same_child = _detection_process(collector).pid == child.pid
-    finally:
-        load.stop()
-        collector.kill()
     assert outages == 0 and "storage unavailable" not in collector.log_text()
     assert same_child  # resumed within ANSWER_SECONDS: not replaced
