@@ -114,7 +114,9 @@ class SoakPlan:
             base = k * SEGMENT_S
             for batch in self.segment(k).batches():
                 second = (batch.time_ns - self.start_ns) // NS
-                if second >= min(base + SEGMENT_S, self.seconds):
+                if second >= self.seconds:
+                    break  # the plan ends inside this segment: the rest of its hour is never generated
+                if second >= base + SEGMENT_S:
                     spill[second].extend(batch.spans)
                     continue
                 spans = spill.pop(second, []) + batch.spans

@@ -15,6 +15,7 @@ from sqlalchemy import Engine, select
 
 from harness.daemons import collector_config
 from harness.scenarios.traffic import Scenario
+from spikehound.collector import commit_feed
 from spikehound.collector.alerts.routing import Router
 from spikehound.collector.daemon import single_collector_pipeline
 from spikehound.collector.ingest_queue import IngestQueue
@@ -124,9 +125,11 @@ class _Run:
             StorageHealth(self.telemetry), clock=lambda: self.now[0])
         await self.pipeline.start()
 
-    async def send(self, batches: Sequence[list[Span]]) -> None:
-        for spans in batches:  # one request at a time, each committed before the next, as one sender's
-            sub = self.queue.offer(spans, [], encode_spans(spans).SerializeToString())
+    async def send(self, batches: Sequence[list[Span]], points: Sequence[list[MetricPoint]] = ()) -> None:
+        """One request at a time, each committed before the next, as one sender's; ``points[i]`` with
+        ``batches[i]``."""
+        for i, spans in enumerate(batches):
+            sub = self.queue.offer(spans, points[i] if points else [], encode_spans(spans).SerializeToString())
             await asyncio.wait_for(sub.committed, 30)
 
     async def stop(self) -> None:
@@ -196,6 +199,91 @@ def test_a_restart_after_sigkill_replays_what_was_committed_after_the_checkpoint
     assert len(windows) == len(expected[0]) and windows == expected[0]
     assert spikes == expected[1]
     assert expected[1], "the scenario opens a spike"
+
+
+def test_a_replay_after_a_restart_closes_the_windows_as_they_closed_before_the_kill(engine: Engine):
+    """With the catch-up on (the default): what was committed after the checkpoint is replayed as it came, the
+    windows closing as they did live; only then are they held for the senders' backlogs. Held through the
+    replay, every replayed request stayed in memory until the catch-up ended, and the detection process kept
+    that much for the rest of its life (the soak: hundreds of MB after a restart under load)."""
+    batches = [b.spans for b in Scenario("slow_db", seed=1, minutes=9, onset_s=400, rate=8).batches() if b.spans]
+    saved_at, killed_at = 300, 450  # 150 s committed after the checkpoint: fifteen 10 s windows
+
+    async def uninterrupted() -> int:
+        run = _Run(engine)
+        await run.start()
+        await run.send(batches[:killed_at])
+        at_the_kill = run.detection.driver.detection.windows.open_windows
+        await run.send(batches[killed_at:])
+        await run.stop()
+        return at_the_kill
+
+    async def killed() -> int:
+        run = _Run(engine)
+        await run.start()
+        await run.send(batches[:saved_at])
+        await run.detection.checkpoint(run.pipeline.flush)
+        await run.send(batches[saved_at:killed_at])
+        await run.kill()
+        again = _Run(engine)
+        await again.start()
+        driver = again.detection.driver
+        after_the_replay = driver.detection.windows.open_windows
+        assert driver.detection.windows.hold is not None, "held for the backlogs after the replay"
+        again.now[0] += again.cfg.collector.catch_up_seconds
+        await again.send(batches[killed_at:])
+        await again.stop()
+        return after_the_replay
+
+    live_open = asyncio.run(uninterrupted())
+    expected = _stored(engine)
+    _clear(engine)
+    replayed_open = asyncio.run(killed())
+    assert replayed_open == live_open, (replayed_open, live_open)
+    windows, spikes = _stored(engine)
+    assert windows == expected[0] and spikes == expected[1]
+    assert expected[1], "the scenario opens a spike"
+
+
+def test_metric_points_committed_after_the_checkpoint_are_replayed_before_any_window_closes(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch):
+    """Points are read back by series, not by time: replayed after the spans, or with the spans' windows free to
+    close, one series' later points would close the windows that another's still fill, and the GPU drop
+    behind a spike would be missed."""
+    monkeypatch.setattr(commit_feed, "REPLAY_POINTS", 40)  # many reads, each a few series' worth
+    timeline = [b for b in Scenario("gpu_drop", seed=2, minutes=9, onset_s=330, fault_s=60, rate=8).batches()
+                if b.spans]
+    batches, points = [b.spans for b in timeline], [b.points for b in timeline]
+    saved_at, killed_at = 300, 450  # the drop, and the spike it causes, begin and end between the two
+
+    async def uninterrupted() -> None:
+        run = _Run(engine)
+        await run.start()
+        await run.send(batches, points)
+        await run.stop()
+
+    async def killed() -> int:
+        run = _Run(engine)
+        await run.start()
+        await run.send(batches[:saved_at], points[:saved_at])
+        await run.detection.checkpoint(run.pipeline.flush)
+        await run.send(batches[saved_at:killed_at], points[saved_at:killed_at])
+        await run.kill()
+        again = _Run(engine)
+        await again.start()
+        late = again.detection.stats()["resource_late_points"]
+        again.now[0] += again.cfg.collector.catch_up_seconds
+        await again.send(batches[killed_at:], points[killed_at:])
+        await again.stop()
+        return late
+
+    asyncio.run(uninterrupted())
+    expected = _stored(engine)
+    _clear(engine)
+    assert asyncio.run(killed()) == 0, "no replayed point came too late for its window"
+    windows, spikes = _stored(engine)
+    assert windows == expected[0] and spikes == expected[1]
+    assert expected[1] and all("GPU utilization" in summary for *_, summary in expected[1]), expected[1]
 
 
 def _split(batches: list[list[Span]]) -> tuple[list[list[Span]], list[list[Span]]]:

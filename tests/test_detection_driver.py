@@ -128,6 +128,18 @@ def test_after_a_restart_the_lag_comes_from_the_checkpoint():
     assert driver.release_if_caught_up() is True
 
 
+def test_what_waits_to_be_written_keeps_no_window_requests():
+    """A closed window goes to storage with its figures; the requests it was judged on stay behind (a replay
+    after a restart closes thousands of windows before the first write)."""
+    driver = _driver()
+    for spans in _batches():
+        driver.feed(spans, [])
+    driver.step(idle_seconds=1e9)
+    windows = driver.take_outgoing().windows
+    assert windows and all(w.count > 0 and w.p99_ns > 0 for w in windows)
+    assert not any(w.samples for w in windows)
+
+
 def test_what_a_failed_write_held_goes_out_first_with_the_next():
     driver = _driver()
     for spans in _batches():

@@ -8,11 +8,14 @@ and none of its ports stays bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +23,18 @@ import psutil
 import pytest
 
 from harness.api_client import list_spikes
-from harness.daemons import CollectorProcess
+from harness.daemons import CollectorProcess, collector_config
 from harness.scenario_io import scenario_requests, send
 from harness.scenarios.traffic import Scenario
 from harness.scrape import Samples, sample, scrape, total
 from harness.waiting import eventually
+from spikehound.collector import detection_process
+from spikehound.collector.detection_driver import DriverSettings
+from spikehound.collector.storage_health import StorageHealth
+from spikehound.collector.telemetry import CollectorTelemetry
+from spikehound.collector.writer_thread import WriterThread
+from spikehound.storage.engine import make_engine
+from spikehound.storage.migrate import upgrade
 from tests.support.sdk_traffic import GrpcExports
 
 pytestmark = pytest.mark.slow
@@ -160,3 +170,43 @@ def test_a_stopped_detection_process_holds_the_senders_back_without_an_outage_of
         same_child = _detection_process(collector).pid == child.pid
     assert outages == 0 and "storage unavailable" not in collector.log_text()
     assert same_child  # resumed within ANSWER_SECONDS: not replaced
+
+
+def test_a_resume_that_lasts_says_so_while_commits_wait_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture):
+    # A restart's replay may take minutes (RESUME_SECONDS allows 30); a detection process stopped while it
+    # resumes holds the commits as long. Either way the log says so meanwhile, not only at the end.
+    monkeypatch.setattr(detection_process, "RESUME_LOG_SECONDS", 0.3)
+    ask = detection_process._Child.ask
+
+    def stopped_before_it_resumes(child: detection_process._Child, kind: str, *args: object) -> object:
+        if kind == "resume":  # stopped before it reads the message, started again a second and a half later
+            os.kill(child.process.pid, signal.SIGSTOP)
+            threading.Timer(1.5, os.kill, (child.process.pid, signal.SIGCONT)).start()
+        return ask(child, kind, *args)
+
+    monkeypatch.setattr(detection_process._Child, "ask", stopped_before_it_resumes)
+    url = f"sqlite:///{tmp_path / 'spikehound.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    telemetry = CollectorTelemetry()
+
+    async def start_and_stop() -> None:
+        writer_thread = WriterThread()
+        await writer_thread.start()
+        detection = detection_process.ProcessDetection(
+            DriverSettings.from_config(collector_config(url)), url, "NORMAL", engine, writer_thread,
+            StorageHealth(telemetry), telemetry)
+
+        async def flush() -> bool:
+            return True
+
+        await detection.start(flush)
+        await detection.stop(flush)
+        await writer_thread.stop()
+
+    with caplog.at_level(logging.WARNING, logger="spikehound.collector.detection"):
+        asyncio.run(start_and_stop())
+    waiting = [r.getMessage() for r in caplog.records if "has been resuming for" in r.getMessage()]
+    assert 2 <= len(waiting) <= 6, waiting
+    engine.dispose()

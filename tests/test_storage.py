@@ -214,6 +214,23 @@ def test_a_retried_batch_is_served_once(engine):
     assert count_rows(engine, "metric_points") == 1
 
 
+def test_a_replay_reads_blocks_in_commit_order_and_stops_at_the_block_that_reached_its_span_budget(engine):
+    """What a restart replays is read a commit's worth at a time (collector/commit_feed.py), not hundreds of
+    thousands of spans at once."""
+    writer = Writer(engine)
+    for request in range(5):  # five requests of four spans each, a block each
+        spans = [make_span(10 + request, i, name=f"r{request}") for i in range(1, 5)]
+        writer.write(WriteBatch(spans=spans), now_ns=NOW)
+    reader = Reader(engine)
+    last, first = reader.spans_after(0, 256, max_spans=6)  # the second block reaches six
+    assert [s.name for s in first] == ["r0"] * 4 + ["r1"] * 4
+    last, rest = reader.spans_after(last, 256, max_spans=6)
+    assert [s.name for s in rest] == ["r2"] * 4 + ["r3"] * 4
+    last, end = reader.spans_after(last, 256)
+    assert [s.name for s in end] == ["r4"] * 4
+    assert reader.spans_after(last, 256) == (last, [])
+
+
 def test_a_runaway_trace_is_cut_at_max_trace_spans(engine, monkeypatch):
     monkeypatch.setattr(reader_module, "MAX_TRACE_SPANS", 3)
     spans = [make_span(1, s, start=T0 + s * MS) for s in range(1, 6)]

@@ -24,7 +24,11 @@ __all__ = ["CommitFeed"]
 
 log = logging.getLogger("spikehound.collector.detection")
 
-REPLAY_BLOCKS = 256  # span blocks read and fed to the detectors at a time when replaying after a restart
+# What a replay after a restart reads and feeds the detectors at a time: about one commit's spans, as live.
+# Hundreds of thousands decoded at once left the detection process's heap in pieces (their few survivors, ids
+# the trace buffer keeps, pinned the rest) and it kept that much memory for the rest of its life.
+REPLAY_SPANS = 5_000
+REPLAY_BLOCKS = 32  # and rows fetched at a time (a PostgreSQL driver fetches a query's rows whole)
 REPLAY_POINTS = 20_000  # metric points likewise
 OPEN_SPIKES_READ = 10_000  # open spikes read from storage at start (far more than ever open at once)
 
@@ -43,11 +47,13 @@ class CommitFeed:
         replayed = False
         if self.driver.restore(found):
             assert found is not None
-            # Senders that spooled while the collector was down send their backlogs now; and what was committed
-            # after the checkpoint is replayed into windows that must stay open as they were before the kill.
-            self.driver.begin_catch_up()
+            # What was committed after the checkpoint is replayed, the windows closing as they did live: held
+            # instead, they kept every replayed request until the hold ended, and the process kept that much
+            # memory for the rest of its life. Then senders that spooled while the collector was down send
+            # their backlogs: the windows wait for them where the replay left them, as they were at the kill.
             self.driver.refill_traces(self.reader, found)
             replayed = self._replay_committed(found)
+            self.driver.begin_catch_up()
         stored = self.reader.spikes(None, None, None, "open", OPEN_SPIKES_READ)
         known = {spike.id for spike in self.driver.detection.open_spikes()}
         # Opened after the checkpoint the detectors continue from (the collector was killed in between). After
@@ -91,13 +97,10 @@ class CommitFeed:
             log.info("the checkpoint does not say where storage stood: nothing committed after it is replayed")
             return False
         started = time.perf_counter()
-        block, spans = found.span_block_id, 0
-        while True:
-            block, chunk = self.reader.spans_after(block, REPLAY_BLOCKS)
-            if not chunk:
-                break
-            self.driver.feed(chunk, [], replayed=True)
-            spans += len(chunk)
+        # Metric points first, under a hold: they are read back by series, not by time, and one series' later
+        # points must not close the windows another's still fill (nor may the spans). A few per host and
+        # second, they are small beside the spans.
+        self.driver.hold()
         key, points = (0, -(2**63)), 0
         # The checkpoint's second is replayed whole, so some of these were seen: those in open windows are
         # skipped as repeats; those whose window was judged were seen, or were late then too.
@@ -109,6 +112,15 @@ class CommitFeed:
             unseen = [p for p in chunk if not judged(p.time_unix_nano)]
             self.driver.feed([], unseen, replayed=True)
             points += len(unseen)
+        # Then the spans in commit order, the windows closing as they did live.
+        self.driver.let_go()
+        block, spans = found.span_block_id, 0
+        while True:
+            block, chunk = self.reader.spans_after(block, REPLAY_BLOCKS, REPLAY_SPANS)
+            if not chunk:
+                break
+            self.driver.feed(chunk, [], replayed=True)
+            spans += len(chunk)
         log.info("replayed what was committed after the checkpoint to the detectors: %d spans, %d metric points "
                  "in %.2f s", spans, points, time.perf_counter() - started)
         return True

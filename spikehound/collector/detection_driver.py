@@ -45,7 +45,7 @@ log = logging.getLogger("spikehound.collector.detection")
 # The one checkpoint row: a single collector and a cluster's leader keep the same one, so a collector that
 # joins a cluster (or leaves it) continues from it.
 CHECKPOINT_NAME = "detection"
-REFILL_BLOCKS = 256  # span blocks read back at a time into the trace buffer
+REFILL_BLOCKS = 32  # span blocks read back at a time into the trace buffer
 
 
 def detection_settings(cfg: Config) -> DetectionSettings:
@@ -277,6 +277,11 @@ class DetectionDriver:
     def hold(self) -> None:
         """Cap the windows' watermark where the data has brought it, unless it is capped already."""
         hold_where_the_data_is(self.detection)
+
+    def let_go(self) -> None:
+        """Lift a cap that held nothing back (the data has not moved past it): the next step closes the windows
+        as far as the data goes, as any step does."""
+        self.detection.hold(None)
 
     def guarded(self, fn: Callable[..., Detection], *args: int) -> Detection:
         """Run a detector step; a bug set off by odd input costs that step, never ingest or the leadership."""

@@ -52,6 +52,7 @@ log = logging.getLogger("spikehound.collector.detection")
 
 ANSWER_SECONDS = 30.0  # an answer, or room for a commit, not given in this long: the child is hung, and replaced
 RESUME_SECONDS = 1800.0  # a replay after a restart reads everything committed since the checkpoint
+RESUME_LOG_SECONDS = 60.0  # while it lasts (commits wait), a line this often
 STOP_SECONDS = 10.0
 POINT_BYTES = 200  # a metric point, pickled, about
 RESTART_SECONDS = 5.0  # after a child that failed to start, the next try
@@ -269,9 +270,26 @@ class ProcessDetection:
                                      took=self._took, unanswered=self._count_blocks)
         self._child_failures = {}  # the new child counts from 0
         started = time.perf_counter()
-        open_ids = await asyncio.wait_for(asyncio.wrap_future(child.ask("resume")), RESUME_SECONDS)
+        open_ids = await self._resumed(child)
         self.announcer.open_ids = set(open_ids)
         log.info("detection runs in process %d (started in %.2f s)", child.process.pid, time.perf_counter() - started)
+
+    async def _resumed(self, child: _Child) -> list[str]:
+        """The child's answer to "resume" (the spikes open now), within RESUME_SECONDS; a line every
+        RESUME_LOG_SECONDS meanwhile, since commits wait for it (a long replay, or a stopped process)."""
+        answer = asyncio.wrap_future(child.ask("resume"))
+        began = time.monotonic()
+        while True:
+            left = RESUME_SECONDS - (time.monotonic() - began)
+            if left <= 0:
+                answer.cancel()
+                raise TimeoutError(f"the detection process did not resume in {RESUME_SECONDS:.0f} s")
+            try:
+                return await asyncio.wait_for(asyncio.shield(answer), min(RESUME_LOG_SECONDS, left))
+            except TimeoutError:
+                log.warning("the detection process (%d) has been resuming for %.0f s (replaying what was "
+                            "committed after the checkpoint); commits wait for it", child.process.pid,
+                            time.monotonic() - began)
 
     async def _child_alive(self) -> bool:
         """Start a dead child again (between two commits: what was committed is all in storage, and the new one

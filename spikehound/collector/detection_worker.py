@@ -33,7 +33,6 @@ import signal
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -88,7 +87,7 @@ def serve(settings: DriverSettings, url: str, sqlite_synchronous: str, count_spa
                 return
             answer = _handle(message, driver, feed, engine, counts)
             out = driver.take_outgoing()
-            outbox.send(("out", [replace(w, samples=()) for w in out.windows], out.spikes, driver.stats(),
+            outbox.send(("out", out.windows, out.spikes, driver.stats(),
                          dict(driver.failures.counts), counts.take_counts() if counts is not None else None))
             if answer is not None:
                 outbox.send(("reply", answer[0], answer[1]))
@@ -146,5 +145,6 @@ def _handle(message: tuple[Any, ...], driver: DetectionDriver, feed: CommitFeed,
         return message[1], state
     if kind == "resume":
         feed.resume(checkpoints.load(engine, CHECKPOINT_NAME))
+        engine.dispose()  # nothing is read after: the connection's page cache (up to 64 MiB) goes back now
         return message[1], sorted(driver.announcer.open_ids)
     raise ValueError(f"unknown message {kind!r}")

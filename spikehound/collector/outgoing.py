@@ -16,6 +16,7 @@ all at once, and given back first when the write failed.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from spikehound.detectors.engine import Detection
 from spikehound.model import LatencyWindow, Spike
@@ -35,9 +36,12 @@ class Outgoing:
             return bool(self._waiting.windows or self._waiting.spikes)
 
     def keep(self, step: Detection) -> None:
-        """A step's windows and spikes, after those kept before (every state: the writer keeps the last)."""
+        """A step's windows and spikes, after those kept before (every state: the writer keeps the last). A
+        window is kept without its requests (``samples``): the detectors judged them already, storage keeps its
+        figures only, and a replay after a restart closes thousands of windows before the first write."""
+        windows = [replace(w, samples=()) if w.samples else w for w in step.windows]
         with self._lock:
-            self._waiting.windows.extend(step.windows)
+            self._waiting.windows.extend(windows)
             self._waiting.spikes.extend(step.spikes)
 
     def take(self) -> Detection:

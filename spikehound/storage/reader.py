@@ -283,11 +283,12 @@ class Reader:
                     yield data
 
 
-    def spans_after(self, block_id: int, limit: int = 256) -> tuple[int, list[Span]]:
+    def spans_after(self, block_id: int, limit: int = 256, max_spans: int | None = None) -> tuple[int, list[Span]]:
         """The spans of up to ``limit`` span blocks committed after ``block_id``, in commit (id) order, and the
-        last block id read (``block_id`` when none is newer). Each block as stored: a block stored twice (a
-        retried export) comes twice; the detectors skip what they saw. For the collector's restart, which
-        feeds its restored detectors what was committed after their checkpoint."""
+        last block id read (``block_id`` when none is newer); with ``max_spans``, no block is read past the one
+        that reached it. Each block as stored: a block stored twice (a retried export) comes twice; the
+        detectors skip what they saw. For the collector's restart, which feeds its restored detectors what was
+        committed after their checkpoint."""
         b = schema.span_blocks
         query = select(b.c.id, b.c.payload).where(b.c.id > block_id).order_by(b.c.id).limit(limit)
         spans: list[Span] = []
@@ -296,6 +297,8 @@ class Reader:
             for row_id, payload in conn.execute(query):
                 spans += spans_of_block(bytes(payload))
                 last = row_id
+                if max_spans is not None and len(spans) >= max_spans:
+                    break
         return last, spans
 
     def spans_ending_since(self, end_ns: int, up_to_block: int, after_block: int | None = None, limit: int = 256,
