@@ -17,7 +17,8 @@ over a :class:`Reader`):
 * **uninterrupted** (the reference): the same seconds fed live from the start, no restart.
 
 Each process's resident memory is read after a full collection and the C heap's release (what a checkpoint
-does), at the kill's point and at the end, with its high-water mark. The figure is the step: the restarted
+does), at the kill's point and at the end, with its high-water mark and the CPU time the whole life took
+(the measurements' own collections included, alike in both). The figure is the step: the restarted
 process's memory at the end less the uninterrupted one's, and that per replayed span. Before the replay was
 bounded (commit_feed.py) the step was about 0.5 kB a replayed span, kept for the process's life.
 
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace, db: Path, restarted: bool) -> dict[str, Any]:
     feed = CommitFeed(driver, Reader(engine))
     out: dict[str, Any] = {}
     kill_point = args.warm + args.after
+    began = time.process_time()
     if restarted:
         started = time.perf_counter()
         feed.resume(checkpoints.load(engine, CHECKPOINT_NAME))
@@ -127,8 +129,9 @@ def run(args: argparse.Namespace, db: Path, restarted: bool) -> dict[str, Any]:
             out["at_kill_mb"] = round(_settled_mb(), 1)
     feed.idle(args.tail)  # the catch-up's quiet time has passed: a hold still there is let go
     driver.take_outgoing()
-    out.update(end_mb=round(_settled_mb(), 1), peak_mb=round(_peak_mb(), 1),
-               held=driver.detection.windows.hold is not None, open_windows=driver.detection.windows.open_windows)
+    out.update(cpu_s=round(time.process_time() - began, 1), end_mb=round(_settled_mb(), 1),
+               peak_mb=round(_peak_mb(), 1), held=driver.detection.windows.hold is not None,
+               open_windows=driver.detection.windows.open_windows)
     return out
 
 
@@ -157,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{restarted['resume_s']} s")
     for name, figures in (("restarted", restarted), ("uninterrupted", uninterrupted)):
         print(f"  {name:>13}: {figures['at_kill_mb']:7.1f} MB at the kill's point, {figures['end_mb']:7.1f} MB at "
-              f"the end, peak {figures['peak_mb']:7.1f} MB (held at the end: {figures['held']}, "
-              f"{figures['open_windows']} windows open)")
+              f"the end, peak {figures['peak_mb']:7.1f} MB, {figures['cpu_s']} s of CPU (held at the end: "
+              f"{figures['held']}, {figures['open_windows']} windows open)")
     print(f"  step after the restart: {step:+.1f} MB, {step * 2**20 / max(replayed, 1) / 1000:.2f} kB a replayed "
           f"span (before the bounded replay: about 0.5)")
     return 0
