@@ -5,11 +5,15 @@ One buffer for the detection driver (filled by its steps) and for the collector'
 all at once, and given back first when the write failed.
 
 >>> from spikehound.detectors.engine import Detection
+>>> def window(operation, samples=()):
+...     return LatencyWindow("svc", operation, 0, 10, 1, 5, 5, 5, 5, samples=samples)
 >>> waiting = Outgoing()
->>> waiting.keep(Detection(windows=["w1"])); waiting.keep(Detection(windows=["w2"]))
->>> out = waiting.take(); out.windows, bool(waiting)
-(['w1', 'w2'], False)
->>> waiting.keep(Detection(windows=["w3"])); waiting.give_back(out); waiting.take().windows
+>>> waiting.keep(Detection(windows=[window("w1", samples=((5, b"t", b"s", 10),))]))
+>>> waiting.keep(Detection(windows=[window("w2")]))
+>>> out = waiting.take(); [(w.operation, w.samples) for w in out.windows], bool(waiting)
+([('w1', ()), ('w2', ())], False)
+>>> waiting.keep(Detection(windows=[window("w3")])); waiting.give_back(out)
+>>> [w.operation for w in waiting.take().windows]
 ['w1', 'w2', 'w3']
 """
 
