@@ -246,12 +246,14 @@ def score(plan: SoakPlan, spikes: list[dict[str, Any]], event_end_s: float) -> A
         else:
             out.wrong.append(f"{label}: {causes[0]['summary'] if causes else 'no cause'}")
     swings = [edge for a, b in plan.swings() for edge in (a, b)]
+    pauses = [start for start, _, _ in plan.pauses()]
     for t, s in starts:
         if s["id"] in claimed:
             continue
         names = " ".join([s["operation"] or "", *(c["operation"] or "" for c in s["causes"][:1])])
         reason = ("churned name" if CHURN_MARK in names else
-                  "load swing" if any(abs(t - e) <= 120 for e in swings) else "other")
+                  "load swing" if any(abs(t - e) <= 120 for e in swings) else
+                  "service pause" if any(-2 * WINDOW_S <= t - p <= WINDOW_S for p in pauses) else "other")
         out.false_by_reason[reason] = out.false_by_reason.get(reason, 0) + 1
         out.false_spikes.append(f"{t / 3600:.2f} h {s['service']}/{s['operation']} p99 {s['p99_ms']:.0f} ms vs "
                                 f"{s['baseline_p99_ms']:.0f} ms ({reason})")

@@ -89,6 +89,11 @@ class SoakPlan:
                 out.append((round(start), round(end)))
         return out
 
+    def pauses(self) -> list[tuple[float, float, str]]:
+        """(start s, length s, service) of the calm service pauses of every hour (:attr:`MeshTimeline.pauses`)."""
+        return [(k * SEGMENT_S + start, length, service) for k in range(-(-self.seconds // SEGMENT_S))
+                for start, length, service in self.segment(k).pauses if k * SEGMENT_S + start < self.seconds]
+
     def rate_per_min(self) -> float:
         """User requests a minute that give ``spans_per_s`` on average."""
         return self.spans_per_s * 60 / _SPANS_PER_REQUEST

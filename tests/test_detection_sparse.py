@@ -53,3 +53,22 @@ def test_calm_lumpy_traffic_with_lone_stalls_and_pauses_opens_no_spike(tmp_path:
     # Four times the usual share of lone multi-second stalls, service pauses, a generic "/*" entry name.
     timeline = MeshTimeline(seed=42, hours=0.5, faults=[], stall_rate=1 / 100, generic_name="/*")
     assert _spikes(timeline, tmp_path) == []
+
+
+def test_a_paused_service_holds_a_request_until_it_resumes_and_only_once():
+    """The generator's calm pauses (a GC, a stalled disk): a call that reaches the service while it is paused
+    waits until it resumes, then does its usual work; the work after its own calls began when those ended, and
+    waits no more (a call caught by a 3 s pause once lasted 5.6 s: the wait was counted twice)."""
+    timeline = MeshTimeline(seed=42, hours=1000 / 3600, faults=[], rate_per_min=600, stall_rate=0.0)
+    start, length, service = next(p for p in timeline.pauses if p[2] == "ts-station-service")
+    spans = [s for batch in timeline.batches() for s in batch.spans
+             if s.service == service and s.kind.name == "SERVER"]
+    resumed_ns = timeline.start_ns + int((start + length) * NS)
+    paused_from_ns = timeline.start_ns + int(start * NS)
+    calm = sorted(s.end_unix_nano - s.start_unix_nano for s in spans if s.end_unix_nano < paused_from_ns)
+    held = [s for s in spans if paused_from_ns <= s.start_unix_nano < resumed_ns]
+    assert len(held) >= 5 and len(calm) > 1000
+    # Each held call ends after the pause, within its service's calm work (skew of a few ms aside) after it.
+    longest_calm_ns = calm[-1]
+    for s in held:
+        assert resumed_ns - 50_000_000 <= s.end_unix_nano <= resumed_ns + longest_calm_ns, s

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.soak import Soak, SoakSettings
-from harness.soak_replay import replay
+from harness.soak import Soak, SoakSettings, score
+from harness.soak_replay import REPLAY_START_NS, replay
+from harness.soak_traffic import SoakPlan
+from spikehound.timefmt import rfc3339
+from spikehound.units import NS
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +52,19 @@ def test_a_replay_of_the_soaks_traffic_finds_its_fault_with_its_service_and_page
     # traffic's streams.
     state = result["state_mb_by_hour"]
     assert len(state) == len(result["rss_mb_by_hour"]) == 4 and state[0] < 0.1 < state[1] <= max(state), state
+
+
+def test_a_spike_outside_every_fault_is_put_down_to_the_service_pause_it_began_at():
+    plan = SoakPlan(seed=41, start_ns=REPLAY_START_NS, seconds=4 * 3600, spans_per_s=800.0)
+    faults = [(f.onset_s, f.onset_s + f.duration_s) for f in plan.faults()]
+    # A pause with no fault in the ten minutes before it, nor at it.
+    pause_s, _, service = next(p for p in plan.pauses() if not any(a < p[0] + 60 and b > p[0] - 700 for a, b in faults))
+
+    def spike(at_s: float, operation: str) -> dict[str, object]:
+        return {"id": operation, "start": rfc3339(plan.start_ns + int(at_s * NS)), "service": "ts-gateway-service",
+                "operation": operation, "p99_ms": 5000.0, "baseline_p99_ms": 700.0,
+                "causes": [{"service": service, "operation": "x"}]}
+
+    # One dated to the window the pause began in, one ten minutes before it.
+    acc = score(plan, [spike(pause_s - pause_s % 10, "held"), spike(pause_s - 600, "calm")], float(plan.seconds))
+    assert acc.false_by_reason == {"service pause": 1, "other": 1}, acc.false_spikes

@@ -346,6 +346,11 @@ class MeshTimeline:
                 return out
             out.append((t, rng.uniform(1.0, 3.0), rng.choice(self.services)))
 
+    @property
+    def pauses(self) -> list[tuple[float, float, str]]:
+        """The calm pauses planned: (start s, length s, service)."""
+        return list(self._pauses)
+
     def fault_at(self, t_s: float) -> MeshFault | None:
         return next((f for f in self.faults if f.active(t_s)), None)
 
@@ -430,7 +435,7 @@ class MeshTimeline:
         if fault is not None and fault.kind == "netem" and fault.service == caller:
             request_net += int(fault.size_ms * rng.uniform(0.9, 1.1) * MS)  # its own requests leave late
         server = self._span(ctx, client, service, route, SpanKind.SERVER, t + request_net)
-        cursor = server.start_unix_nano + self._own(ctx, service, self_ms * 0.4, sigma, server, counter)
+        cursor = server.start_unix_nano + self._own(ctx, service, self_ms * 0.4, sigma, server.start_unix_nano, counter)
         for target, repeats in calls:
             n = repeats if isinstance(repeats, int) else rng.randint(*repeats)
             for _ in range(n):
@@ -438,7 +443,7 @@ class MeshTimeline:
                     cursor = self._db(ctx, server, service, target[3:], cursor, counter) + self._ms(0.1, 0.3)
                 else:
                     cursor = self._call(ctx, server, service, target, cursor, counter) + self._ms(0.2, 0.3)
-        cursor += self._own(ctx, service, self_ms * 0.6, sigma, server, counter)
+        cursor += self._own(ctx, service, self_ms * 0.6, sigma, cursor, counter)
         server.end_unix_nano = cursor
         client.end_unix_nano = cursor + response_net
         return client.end_unix_nano
@@ -453,14 +458,15 @@ class MeshTimeline:
         span.end_unix_nano = t + duration
         return span.end_unix_nano
 
-    def _own(self, ctx: _Ctx, service: str, median_ms: float, sigma: float, server: Span, counter: list) -> int:
-        """A stretch of the service's own work: its self time, slowed by CPU contention or a pause."""
+    def _own(self, ctx: _Ctx, service: str, median_ms: float, sigma: float, at_ns: int, counter: list) -> int:
+        """A stretch of the service's own work beginning at ``at_ns``: its self time, slowed by CPU contention, or
+        waiting out a pause it began in (once: the stretch after the service's calls begins when they ended)."""
         rng = self._rng
         ns = self._ms(median_ms, sigma) + self._stall(counter)
         fault = self.fault_at(ctx.t_s)
         if fault is not None and fault.kind == "cpu" and fault.service == service:
             ns += int(fault.size_ms * 0.5 * rng.lognormvariate(0, 0.3) * MS)  # half before its calls, half after
-        at_s = (server.start_unix_nano - self.start_ns) / NS
+        at_s = (at_ns - self.start_ns) / NS
         for start, length, paused in self._pauses:
             if paused == service and start <= at_s < start + length:
                 ns += int((start + length - at_s) * NS)
