@@ -58,7 +58,7 @@ def test_calm_lumpy_traffic_with_lone_stalls_and_pauses_opens_no_spike(tmp_path:
 def test_a_paused_service_holds_a_request_until_it_resumes_and_only_once():
     """The generator's calm pauses (a GC, a stalled disk): a call that reaches the service while it is paused
     waits until it resumes, then does its usual work; the work after its own calls began when those ended, and
-    waits no more (a call caught by a 3 s pause once lasted 5.6 s: the wait was counted twice)."""
+    waits no more (a call into a service paused for 2.9 s once lasted 5.6 s: the wait was counted twice)."""
     timeline = MeshTimeline(seed=42, hours=1000 / 3600, faults=[], rate_per_min=600, stall_rate=0.0)
     start, length, service = next(p for p in timeline.pauses if p[2] == "ts-station-service")
     spans = [s for batch in timeline.batches() for s in batch.spans
