@@ -113,16 +113,28 @@ def test_a_leader_that_lost_its_session_writes_nothing_and_the_next_one_catches_
     cut = 2 * (int(_scenario().onset_s) + 25)  # the spike is open 25 s into the fault
     members = _members(pg_url, 2, detection__checkpoint_seconds=1)
     dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
-    with members[0], members[1], psycopg.connect(dsn, autocommit=True) as usurper:
+    with (members[0], members[1], psycopg.connect(dsn, autocommit=True) as usurper,
+          psycopg.connect(dsn, autocommit=True) as killer):
         for i, body in enumerate(bodies[:cut]):
             send(members[i // 2 % 2].http_endpoint, [body])
         eventually(lambda: any(s["state"] == "open" for s in list_spikes(members[0].api)), "the spike to open")
         old = _leader(members)
-        # End the old leader's session and take the lock in another at once, before a member can.
-        usurper.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                        "AND objid = %s AND granted", (cluster.LEADER_LOCK & 0xFFFFFFFF,))
-        eventually(lambda: usurper.execute("SELECT pg_try_advisory_lock(%s)", (cluster.LEADER_LOCK,)).fetchone()[0],
-                   "the usurper to hold the lock", timeout=30)
+        # Queue for the lock first, then end the old leader's session: the usurper, first in the queue, gets it,
+        # and a member's try in between fails (a try that would jump a waiter fails). Polling with tries after
+        # the kill raced the members' own tries, and a member that won held it for good.
+        usurper.execute("SET lock_timeout = '30s'")
+        queued = threading.Thread(target=usurper.execute, args=("SELECT pg_advisory_lock(%s)", (cluster.LEADER_LOCK,)))
+        queued.start()
+        eventually(lambda: killer.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s "
+                                          "AND NOT granted", (cluster.LEADER_LOCK & 0xFFFFFFFF,)).fetchone()[0] == 1,
+                   "the usurper to wait for the lock")
+        killer.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                       "AND objid = %s AND granted", (cluster.LEADER_LOCK & 0xFFFFFFFF,))
+        queued.join(timeout=35)
+        assert not queued.is_alive(), "the usurper never got the lock"
+        assert killer.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND granted "
+                              "AND pid = %s", (cluster.LEADER_LOCK & 0xFFFFFFFF, usurper.info.backend_pid)
+                              ).fetchone()[0] == 1
         eventually(lambda: old.metric("spikehound_cluster_leader") == 0, "the old leader to step down", timeout=30)
         windows = _count(usurper, "latency_windows")
         for i, body in enumerate(bodies[cut:cut + 40]):
