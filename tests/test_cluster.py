@@ -125,16 +125,12 @@ def test_a_leader_that_lost_its_session_writes_nothing_and_the_next_one_catches_
         usurper.execute("SET lock_timeout = '30s'")
         queued = threading.Thread(target=usurper.execute, args=("SELECT pg_advisory_lock(%s)", (cluster.LEADER_LOCK,)))
         queued.start()
-        eventually(lambda: killer.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s "
-                                          "AND NOT granted", (cluster.LEADER_LOCK & 0xFFFFFFFF,)).fetchone()[0] == 1,
+        eventually(lambda: _leader_lock_sessions(killer, granted=False) == [usurper.info.backend_pid],
                    "the usurper to wait for the lock")
-        killer.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                       "AND objid = %s AND granted", (cluster.LEADER_LOCK & 0xFFFFFFFF,))
+        killer.execute("SELECT pg_terminate_backend(%s)", (_leader_lock_sessions(killer, granted=True)[0],))
         queued.join(timeout=35)
         assert not queued.is_alive(), "the usurper never got the lock"
-        assert killer.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND granted "
-                              "AND pid = %s", (cluster.LEADER_LOCK & 0xFFFFFFFF, usurper.info.backend_pid)
-                              ).fetchone()[0] == 1
+        assert _leader_lock_sessions(killer, granted=True) == [usurper.info.backend_pid]
         eventually(lambda: old.metric("spikehound_cluster_leader") == 0, "the old leader to step down", timeout=30)
         windows = _count(usurper, "latency_windows")
         for i, body in enumerate(bodies[cut:cut + 40]):
@@ -151,6 +147,13 @@ def test_a_leader_that_lost_its_session_writes_nothing_and_the_next_one_catches_
     essence = [(s["id"], s["service"], s["operation"], s["state"], s["causes"][0]["summary"]) for s in spikes]
     assert essence == [(s["id"], s["service"], s["operation"], s["state"], s["causes"][0]["summary"])
                        for s in one_collector_spikes]
+
+
+def _leader_lock_sessions(conn: psycopg.Connection[Any], granted: bool) -> list[int]:
+    """The backend pids holding (``granted``) or waiting for the leader's advisory lock."""
+    rows = conn.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND granted = %s",
+                        (cluster.LEADER_LOCK & 0xFFFFFFFF, granted)).fetchall()
+    return [int(pid) for (pid,) in rows]
 
 
 def _count(conn: psycopg.Connection[Any], table: str) -> int:
