@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 from spikehound.detectors.sequential import RecoveryEvidence, SequentialEvidence
 from spikehound.detectors.settings import DetectionSettings
-from spikehound.detectors.stream_judge import Judgement
+from spikehound.detectors.stream_judge import WEAK_LEAD, Judgement
 from spikehound.detectors.streams import StreamKey
 from spikehound.detectors.windows import Sample
 
@@ -73,7 +73,6 @@ _REFERENCE_STREAMS = 10  # the thresholds hold as set up to this many streams; b
 MAX_SLOW_IDS = 1024  # slow request ids an affected stream keeps to count each once; beyond, they are counted
 MAX_SEEN_TRACES = 512  # traces an open incident remembers having judged toward its end (each counts once)
 _RUN_GAP = 4  # a gap this many times the typical one (plus a window) ends a run of slow requests
-_WEAK_LEAD = 0.5  # a run's leading request that added under this share of its typical gain is no onset
 
 
 def spike_id(stream: StreamKey, start_ns: int, locus: str | None = None) -> str:
@@ -543,7 +542,7 @@ def incident_onset(ends: list[int], window_ns: int, gains: list[float] | None = 
         first -= 1
     if gains is not None:
         run = sorted(gains[first:])
-        bar = _WEAK_LEAD * run[len(run) // 2]
+        bar = WEAK_LEAD * run[len(run) // 2]
         while first < len(ends) - 1 and gains[first] < bar:
             first += 1
     return ends[first] // window_ns * window_ns
