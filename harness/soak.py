@@ -17,6 +17,7 @@ import queue
 import shutil
 import signal
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -91,6 +92,7 @@ class SoakSettings:
     out: Path = Path("soak-results")  # folder for the JSON and PNGs
     keep: bool = False  # keep the run's working folder (logs, database)
     replay: bool = False  # no daemons: the plan's event time through one engine (harness/soak_replay.py)
+    heap_every: float = 0.0  # between heap snapshots of the collector's processes (harness/heap_probe.py; 0: none)
 
 
 # -- what is measured --------------------------------------------------------------------------------------
@@ -319,7 +321,13 @@ window_retention_days = {self.settings.window_days}
 [collector]
 allowed_lateness_seconds = {lateness_s(self.settings.speed)}
 {alert_config(hook_url)}""")
-        self.collector = CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)}).start(120)
+        env = {"SPIKEHOUND_CONFIG": str(config)}
+        if self.settings.heap_every > 0:  # tracemalloc on in every life; SIGUSR2 writes where the heap is
+            env["HEAP_PROBE_DIR"] = str((self.settings.out / f"heap-{self.storage}").resolve())
+        self.collector = CollectorProcess(url, self.workdir, env=env)
+        if self.settings.heap_every > 0:
+            self.collector.prefix = [sys.executable, "-m", "harness.heap_probe"]
+        self.collector.start(120)
         self.lives = 1
         for i in range(self.settings.agents):
             workdir = self.workdir / f"agent-{i + 1}"
@@ -445,7 +453,8 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
     def operations(self) -> None:
         """SIGHUP, SIGKILL and PostgreSQL restarts on their schedules (wall seconds from the start)."""
         a = self.settings
-        due = {"reload": a.reload_every, "kill": a.kill_every, "pg-restart": a.pg_restart_every}
+        due = {"reload": a.reload_every, "kill": a.kill_every, "pg-restart": a.pg_restart_every,
+               "heap": a.heap_every}
         next_at = {k: v for k, v in due.items() if v > 0 and (k != "pg-restart" or self.pg is not None)}
         while not self.stop.is_set():
             now = time.monotonic() - self.began
@@ -471,6 +480,9 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             self.lives += 1
         elif what == "pg-restart" and self.pg is not None:
             self.pg.restart("fast")
+        elif what == "heap":
+            for proc in [p := psutil.Process(self.collector.proc.pid), *p.children(recursive=True)]:
+                proc.send_signal(signal.SIGUSR2)
 
     # -- the whole run --------------------------------------------------------------------------------------
 

@@ -1,0 +1,50 @@
+"""The soak's heap probe (``harness/heap_probe.py``): a real collector run under it answers SIGUSR2, in its
+main process and its forked detection process, with where its Python heap is; two answers give what grew."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.daemons import CollectorProcess
+from harness.heap_probe import growth
+from harness.waiting import eventually
+
+pytestmark = pytest.mark.slow
+
+
+def lines_of(heap: Path, pid: int) -> int:
+    path = heap / f"heap-{pid}.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_collector_under_the_probe_writes_each_process_heap_on_sigusr2(tmp_path: Path):
+    heap = tmp_path / "heap"
+    collector = CollectorProcess(f"sqlite:///{tmp_path / 'spikehound.db'}", tmp_path,
+                                 env={"HEAP_PROBE_DIR": str(heap), "HEAP_PROBE_CHILDREN": "1"})
+    collector.prefix = [sys.executable, "-m", "harness.heap_probe"]
+    collector.start(120)
+    try:
+        main = psutil.Process(collector.proc.pid)
+        processes = [main, *main.children(recursive=True)]
+        assert len(processes) >= 2, "the detection process runs beside the collector's"
+        for answers in (1, 2):
+            for proc in processes:
+                proc.send_signal(signal.SIGUSR2)
+            eventually(lambda n=answers: all(lines_of(heap, p.pid) == n for p in processes),
+                       f"heap line {answers} from every process", 60)
+        assert collector.running, collector.log_tail()
+    finally:
+        collector.terminate(60)
+
+    lines = [json.loads(text) for text in (heap / f"heap-{main.pid}.jsonl").read_text().splitlines()]
+    assert all(line["traced_mb"] > 1 and line["rss_mb"] > line["traced_mb"] for line in lines), lines
+    sites = [site["where"][0] for site in lines[0]["by_line"]]
+    assert any("/spikehound/" in site for site in sites), sites[:20]  # the daemon's own code is traced
+    grew = growth(heap / f"heap-{main.pid}.jsonl")
+    assert {site for site, _, _ in grew} >= set(sites), "every site of either line is in the growth table"
