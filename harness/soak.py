@@ -480,9 +480,10 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             self.lives += 1
         elif what == "pg-restart" and self.pg is not None:
             self.pg.restart("fast")
-        elif what == "heap":
+        elif what == "heap":  # the collector and its forks (a child run otherwise would die of the signal)
             for proc in [p := psutil.Process(self.collector.proc.pid), *p.children(recursive=True)]:
-                proc.send_signal(signal.SIGUSR2)
+                if "harness.heap_probe" in proc.cmdline():
+                    proc.send_signal(signal.SIGUSR2)
 
     # -- the whole run --------------------------------------------------------------------------------------
 
