@@ -143,7 +143,7 @@ HELP = {"storage": "sqlite, postgres or both (one after the other)", "hours": "w
         "sample_every": "wall seconds between samples", "api_probes": "GET /api/v1/spikes per sample",
         "canary_every": "every Nth acknowledged request gives a canary", "out": "folder for the JSON and PNGs",
         "keep": "keep each run's working folder (logs, database)",
-        "heap_every": "wall seconds between heap snapshots of the collector's processes, written as "
+        "heap_every": "wall seconds between heap snapshots of the collector's own process, written as "
                       "heap-<storage>/heap-<pid>.jsonl in --out (0: none; tracing on slows the collector)",
         "replay": "no daemons: the plan's event time through one detection engine, scored as a run (its accuracy "
                   "on an idle machine, deterministic; about 40 minutes of one core for 24 hours of event time)"}

@@ -3,7 +3,7 @@
 For finding what grows over a long run (``python -m benchmarks.soak --heap-every 1800``)::
 
     HEAP_PROBE_DIR=heap python -m harness.heap_probe "$(command -v spikehound)" collector --db ...
-    kill -USR2 <pid of the collector or of its detection process>
+    kill -USR2 <the collector's pid>
     python -m harness.heap_probe --growth heap/heap-<pid>.jsonl     # what grew from its first line to its last
 
 The daemon's own process (and its forked children too with ``HEAP_PROBE_CHILDREN=1``: a child keeps the handler, and

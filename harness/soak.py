@@ -92,7 +92,7 @@ class SoakSettings:
     out: Path = Path("soak-results")  # folder for the JSON and PNGs
     keep: bool = False  # keep the run's working folder (logs, database)
     replay: bool = False  # no daemons: the plan's event time through one engine (harness/soak_replay.py)
-    heap_every: float = 0.0  # between heap snapshots of the collector's processes (harness/heap_probe.py; 0: none)
+    heap_every: float = 0.0  # between heap snapshots of the collector (harness/heap_probe.py; 0: none)
 
 
 # -- what is measured --------------------------------------------------------------------------------------
@@ -321,11 +321,9 @@ window_retention_days = {self.settings.window_days}
 [collector]
 allowed_lateness_seconds = {lateness_s(self.settings.speed)}
 {alert_config(hook_url)}""")
-        env = {"SPIKEHOUND_CONFIG": str(config)}
+        self.collector = CollectorProcess(url, self.workdir, env={"SPIKEHOUND_CONFIG": str(config)})
         if self.settings.heap_every > 0:  # tracemalloc on in every life; SIGUSR2 writes where the heap is
-            env["HEAP_PROBE_DIR"] = str((self.settings.out / f"heap-{self.storage}").resolve())
-        self.collector = CollectorProcess(url, self.workdir, env=env)
-        if self.settings.heap_every > 0:
+            self.collector.env["HEAP_PROBE_DIR"] = str((self.settings.out / f"heap-{self.storage}").resolve())
             self.collector.prefix = [sys.executable, "-m", "harness.heap_probe"]
         self.collector.start(120)
         self.lives = 1
@@ -480,7 +478,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             self.lives += 1
         elif what == "pg-restart" and self.pg is not None:
             self.pg.restart("fast")
-        elif what == "heap":  # the collector and its forks (a child run otherwise would die of the signal)
+        elif what == "heap":  # the collector and its forks: a child it ran (no handler) would die of SIGUSR2
             for proc in [p := psutil.Process(self.collector.proc.pid), *p.children(recursive=True)]:
                 if "harness.heap_probe" in proc.cmdline():
                     proc.send_signal(signal.SIGUSR2)

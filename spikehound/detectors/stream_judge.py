@@ -59,10 +59,10 @@ COLD_SHIFT_NS = 1200 * NS  # a stream too new to judge whose requests stand out 
 SPREAD_TRIM = 0.05  # of a fired window's excess over its baseline, left out at either end of its slow requests' span
 EVICTION_SCAN = 64  # how many of the least recently judged streams eviction looks at for one never warm
 
+WEAK_LEAD = 0.5  # a rise's leading request under this share of its typical one is no onset (both tests')
+
 __all__ = ["Judgement", "StreamJudge", "tail_band"]
 
-
-WEAK_LEAD = 0.5  # a rise's leading request that is under this share of its typical one is no onset
 
 @dataclass(slots=True)
 class Judgement:
@@ -461,7 +461,7 @@ class StreamJudge:
         if material and score >= s.min_score:
             verdict.spread_ns = slow_spread(samples, baseline)
             verdict.dense = True
-            verdict.onset_ns = _change_point(parts, baseline)
+            verdict.onset_ns = change_point(parts, baseline)
         return verdict
 
 
@@ -508,7 +508,7 @@ def _spread_over(samples: list[Sample], limit: int) -> list[int]:
     return [samples[i][0] for i in range(step // 2, n, step)][:limit]
 
 
-def _change_point(parts: list[tuple[int, int, tuple[Sample, ...]]], baseline: int) -> int:
+def change_point(parts: list[tuple[int, int, tuple[Sample, ...]]], baseline: int) -> int:
     """The start of the merged window from which requests over ``baseline`` are likeliest to have risen.
 
     The maximum-likelihood change point of a rate: the split that best separates a low share of
@@ -522,7 +522,7 @@ def _change_point(parts: list[tuple[int, int, tuple[Sample, ...]]], baseline: in
     >>> ms = 1_000_000
     >>> calm, stray, slow = (20 * ms,) * 4, (20 * ms, 41 * ms), (2400 * ms,) * 5
     >>> parts = [(t, t + 10, tuple((d, b"", b"", t) for d in ds)) for t, ds in ((0, calm), (10, stray), (20, slow))]
-    >>> _change_point(parts, 25 * ms)
+    >>> change_point(parts, 25 * ms)
     20
     """
     counts = [(len(part), sum(1 for d, _, _, _ in part if d > baseline)) for _, _, part in parts]
