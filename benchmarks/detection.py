@@ -60,6 +60,7 @@ def patterns(family: str, seeds: Sequence[int]) -> None:
     print(f"\n{family}: {len(runs)} timelines (seeds {seeds[0]}-{seeds[-1]}), {s.faults} faults, "
           f"{s.calm_hours:.1f} h of calm traffic, in {time.perf_counter() - started:.0f} s\n")
     print(f"{'recall within 2 min':40s}{line['recall']:>10.1%}")
+    print(f"{'reachable in 2 min; recall of those':40s}{line['reachable']:>10.1%}; {line['recall_of_reachable']:.1%}")
     print(f"{'spikes per fault (share with exactly 1)':40s}{line['spikes_per_fault']:>10.2f} "
           f"({line['exactly_one']:.1%})")
     print(f"{'end error median / p90, sparse (s)':40s}{line['end_median_s']:>10.1f} / {line['end_p90_s']:.1f}")

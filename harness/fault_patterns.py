@@ -12,11 +12,15 @@ Each fault counts on its own, a return of the same fault included. Scored per fa
 - **false spikes per 6 h**: spikes that start outside every fault, per six hours of calm traffic;
 - **top-1 service**: whether the first cause of the fault's first spike names the faulty service;
 - **causes held**: of faults found, whether the spike's final top cause names the same service as when
-  it was first reported (a long fault must not drift to something else).
+  it was first reported (a long fault must not drift to something else);
+- **reachable in 2 min**: faults with two requests or more through their service that began within two
+  minutes of the onset. One slow request is a lone stall to any detector, so a fault with fewer cannot be
+  found in time by one that keeps lone stalls quiet: the ceiling its recall is read against.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections.abc import Sequence
@@ -26,7 +30,7 @@ from harness.scenarios.fault_patterns import FAMILIES
 from harness.scenarios.mesh_traffic import MeshTimeline
 from spikehound.detectors.engine import DetectionEngine
 from spikehound.detectors.settings import DetectionSettings
-from spikehound.model import Spike
+from spikehound.model import Span, SpanKind, Spike
 from spikehound.units import NS
 
 WITHIN_S = 120.0
@@ -40,6 +44,16 @@ class PatternRun:
     first: dict[str, Spike]  # the state in which each spike was first reported
     seconds: float = 0.0
     spans: int = 0
+    # When each request that reached a service began (event ns, its trace's first span), per service.
+    requests_into: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _record_requests(spans: Sequence[Span], first_start: dict[bytes, int], into: dict[str, set[bytes]]) -> None:
+    for span in spans:
+        if span.start_unix_nano < first_start.get(span.trace_id, span.start_unix_nano + 1):
+            first_start[span.trace_id] = span.start_unix_nano
+        if span.kind == SpanKind.SERVER:
+            into.setdefault(span.service, set()).add(span.trace_id)
 
 
 def run(timeline: MeshTimeline, settings: DetectionSettings | None = None) -> PatternRun:
@@ -47,9 +61,12 @@ def run(timeline: MeshTimeline, settings: DetectionSettings | None = None) -> Pa
     engine = DetectionEngine(settings or DetectionSettings())
     result = PatternRun(timeline, {}, {})
     started = time.perf_counter()
+    first_start: dict[bytes, int] = {}
+    into: dict[str, set[bytes]] = {}
     for batch in timeline.batches():
         engine.add(batch.spans, batch.points)
         result.spans += len(batch.spans)
+        _record_requests(batch.spans, first_start, into)
         for spike in engine.advance().spikes:
             result.spikes[spike.id] = spike
             result.first.setdefault(spike.id, spike)
@@ -57,6 +74,7 @@ def run(timeline: MeshTimeline, settings: DetectionSettings | None = None) -> Pa
         result.spikes[spike.id] = spike
         result.first.setdefault(spike.id, spike)
     result.seconds = time.perf_counter() - started
+    result.requests_into = {service: sorted(first_start[t] for t in traces) for service, traces in into.items()}
     return result
 
 
@@ -71,6 +89,8 @@ class PatternScore:
     onset_errors_s: list[float] = field(default_factory=list)
     top1: int = 0
     held: int = 0
+    reachable: int = 0  # faults with two requests or more through their service in their first two minutes
+    found_reachable: int = 0
     calm_hours: float = 0.0
     false_spikes: int = 0
     notes: list[str] = field(default_factory=list)
@@ -94,6 +114,8 @@ class PatternScore:
             "false_per_6h": self.false_spikes / self.calm_hours * 6 if self.calm_hours else 0.0,
             "top1": self.top1 / found if found else 0.0,
             "held": self.held / found if found else 0.0,
+            "reachable": self.reachable / self.faults if self.faults else 1.0,
+            "recall_of_reachable": self.found_reachable / self.reachable if self.reachable else 1.0,
         }
 
 
@@ -115,6 +137,9 @@ def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternSco
             end = onset + int(f.duration_s * NS)
             fault_s += f.duration_s
             out.faults += 1
+            starts = r.requests_into.get(f.service, [])
+            reached = bisect.bisect_left(starts, onset + int(WITHIN_S * NS)) - bisect.bisect_left(starts, onset)
+            out.reachable += reached >= 2
             label = (f"seed {tl.seed} {f.kind} {f.service} at {f.onset_s / 60:.1f}-"
                      f"{(f.onset_s + f.duration_s) / 60:.1f} min")
             during = [s for s in spikes if onset - window_ns <= s.start_unix_nano < end + window_ns]
@@ -123,7 +148,8 @@ def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternSco
             if not during:
                 covering = [s for s in spikes if s.start_unix_nano < onset
                             and (s.end_unix_nano is None or s.end_unix_nano >= onset)]
-                out.notes.append(f"missed: {label}" + (" (inside an earlier spike)" if covering else ""))
+                out.notes.append(f"missed: {label}" + (" (inside an earlier spike)" if covering else "")
+                                 + (f" ({reached} request(s) into it in 2 min)" if reached < 2 else ""))
                 continue
             if len(during) > 1:
                 out.notes.append(f"{len(during)} spikes: {label}")
@@ -131,9 +157,11 @@ def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternSco
             delay = ((first.detected_unix_nano or first.start_unix_nano) - onset) / NS
             if delay <= WITHIN_S:
                 out.found += 1
+                out.found_reachable += reached >= 2
             else:
                 out.found_late += 1
-                out.notes.append(f"late ({delay:.0f} s): {label}")
+                out.notes.append(f"late ({delay:.0f} s): {label}"
+                                 + (f" ({reached} request(s) into it in 2 min)" if reached < 2 else ""))
             last = max(during, key=lambda s: s.start_unix_nano)
             spike_end = last.end_unix_nano if last.end_unix_nano is not None else tl.end_ns
             error = (spike_end - end) / NS
