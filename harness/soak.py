@@ -123,6 +123,7 @@ def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> di
                 figures["pss_mb"] += memory.pss / 2**20
                 if p is root:
                     figures["main_rss_mb"] = memory.rss / 2**20
+                    figures.update({f"main_{k}_mb": v for k, v in memory_by_kind(p.pid).items()})
                 figures["fds"] += p.num_fds()
                 figures["threads"] += p.num_threads()
                 figures["cpu"] += (used - before[0]) / (now - before[1]) if before and now > before[1] else 0.0
@@ -130,6 +131,36 @@ def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> di
             if p is root:
                 return None
     return figures
+
+
+ARENA_ALIGN = 64 * 2**20  # glibc maps each of its extra malloc arenas at a 64 MiB boundary (HEAP_MAX_SIZE)
+MEMORY_KINDS = ("malloc_main", "malloc_arenas", "anon_other", "files")
+
+
+def memory_by_kind(pid: int) -> dict[str, float]:
+    """A process's resident MB by kind of mapping, to place a slow rise: ``malloc_main`` (the brk heap),
+    ``malloc_arenas`` (glibc's other arenas), ``anon_other`` (Python's small-object arenas, blocks of 1 MiB
+    or more mapped on their own, native libraries' own maps, thread stacks) and ``files`` (code, mapped
+    files). Empty where the map cannot be read."""
+    kinds = dict.fromkeys(MEMORY_KINDS, 0.0)
+    try:
+        maps = psutil.Process(pid).memory_maps(grouped=False)
+    except (psutil.Error, OSError):
+        return {}
+    for m in maps:
+        start = int(m.addr.split("-")[0], 16)
+        if m.path == "[heap]":
+            kind = "malloc_main"
+        elif m.path.startswith("/"):
+            kind = "files"
+        elif m.path in ("[vdso]", "[vvar]", "[vsyscall]"):
+            continue  # the kernel's pages, not memory the process holds
+        elif m.path != "[stack]" and m.perms.startswith("rw") and start % ARENA_ALIGN == 0:
+            kind = "malloc_arenas"
+        else:
+            kind = "anon_other"
+        kinds[kind] += m.rss / 2**20
+    return {k: round(v, 1) for k, v in kinds.items()}
 
 
 def tree_bytes(path: Path) -> int:
@@ -598,6 +629,9 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                                    **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False, "pss_mb")
                                       for i in range(len(self.agents))}},
             "collector_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "main_rss_mb"),
+            "collector_process_slope_by_kind_mb_per_h": {
+                kind: slope(lambda s: s["collector"], True, f"main_{kind}_mb")
+                for kind in MEMORY_KINDS},
             "collector_pss_mb_by_life": life_levels(self.samples, "pss_mb"),
             "collector_rss_mb_max": max((s["collector"]["rss_mb"] for s in self.samples if s.get("collector")),
                                         default=None),
