@@ -140,6 +140,7 @@ def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternSco
             starts = r.requests_into.get(f.service, [])
             reached = bisect.bisect_left(starts, onset + int(WITHIN_S * NS)) - bisect.bisect_left(starts, onset)
             out.reachable += reached >= 2
+            unreachable = f" ({reached} request(s) into it in 2 min)" if reached < 2 else ""
             label = (f"seed {tl.seed} {f.kind} {f.service} at {f.onset_s / 60:.1f}-"
                      f"{(f.onset_s + f.duration_s) / 60:.1f} min")
             during = [s for s in spikes if onset - window_ns <= s.start_unix_nano < end + window_ns]
@@ -148,8 +149,7 @@ def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternSco
             if not during:
                 covering = [s for s in spikes if s.start_unix_nano < onset
                             and (s.end_unix_nano is None or s.end_unix_nano >= onset)]
-                out.notes.append(f"missed: {label}" + (" (inside an earlier spike)" if covering else "")
-                                 + (f" ({reached} request(s) into it in 2 min)" if reached < 2 else ""))
+                out.notes.append(f"missed: {label}" + (" (inside an earlier spike)" if covering else "") + unreachable)
                 continue
             if len(during) > 1:
                 out.notes.append(f"{len(during)} spikes: {label}")
@@ -160,8 +160,7 @@ def score(results: Sequence[PatternRun], window_ns: int = 10 * NS) -> PatternSco
                 out.found_reachable += reached >= 2
             else:
                 out.found_late += 1
-                out.notes.append(f"late ({delay:.0f} s): {label}"
-                                 + (f" ({reached} request(s) into it in 2 min)" if reached < 2 else ""))
+                out.notes.append(f"late ({delay:.0f} s): {label}{unreachable}")
             last = max(during, key=lambda s: s.start_unix_nano)
             spike_end = last.end_unix_nano if last.end_unix_nano is not None else tl.end_ns
             error = (spike_end - end) / NS
