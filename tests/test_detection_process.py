@@ -207,6 +207,9 @@ def test_a_resume_that_lasts_says_so_while_commits_wait_for_it(tmp_path: Path, m
 
     with caplog.at_level(logging.WARNING, logger="spikehound.collector.detection"):
         asyncio.run(start_and_stop())
-    waiting = [r.getMessage() for r in caplog.records if "has been resuming for" in r.getMessage()]
-    assert 2 <= len(waiting) <= 6, waiting
+    waiting = [r for r in caplog.records if "has been resuming for" in r.getMessage()]
+    assert len(waiting) >= 2, [r.getMessage() for r in waiting]  # said meanwhile, more than once
+    # ...and not more often than every RESUME_LOG_SECONDS (a loaded machine only spaces the lines further)
+    gaps = [later.created - earlier.created for earlier, later in zip(waiting, waiting[1:])]
+    assert min(gaps) >= 0.25, gaps
     engine.dispose()

@@ -45,6 +45,9 @@ def test_a_collector_under_the_probe_writes_its_heap_on_sigusr2_and_its_detectio
     lines = [json.loads(text) for text in (heap / f"heap-{main.pid}.jsonl").read_text().splitlines()]
     assert all(line["traced_mb"] > 1 and line["rss_mb"] > line["traced_mb"] for line in lines), lines
     sites = [site["where"][0] for site in lines[0]["by_line"]]
-    assert any("/spikehound/" in site for site in sites), sites[:20]  # the daemon's own code is traced
+    # Traced from before the daemon's modules loaded: their import is among the biggest sites, and an idle
+    # collector's heap is mostly its modules (about 100 MB traced here; a few MB if tracing began after them).
+    assert any(site.startswith("<frozen importlib") for site in sites[:5]), sites[:20]
+    assert lines[0]["traced_mb"] > 30, lines[0]["traced_mb"]
     grew = growth(heap / f"heap-{main.pid}.jsonl")
     assert {site for site, _, _ in grew} >= set(sites), "every site of either line is in the growth table"
