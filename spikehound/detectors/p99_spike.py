@@ -37,7 +37,9 @@ import math
 from typing import Any
 
 from river import base, stats
-from scipy.stats import binom
+# bdtrc(k, n, p) is P(X > k) for X ~ Binomial(n, p): scipy.stats.binom.sf's value, without importing scipy.stats
+# (0.6 s of every collector's start).
+from scipy.special import bdtrc
 
 __all__ = ["P99SpikeDetector", "null_exceed_rate"]
 
@@ -96,7 +98,7 @@ class P99SpikeDetector(base.AnomalyDetector):
         count, exceed = int(x.get("count", 0)), int(x.get("exceed", 0))
         if not self.warm or count == 0 or exceed == 0:
             return 0.0
-        p = binom.sf(exceed - 1, count, self.exceed_rate(count))
+        p = bdtrc(exceed - 1, count, self.exceed_rate(count))  # P(exceed or more slow requests)
         return float(-math.log10(max(p, 1e-300)))
 
     def exceed_rate(self, count: int) -> float:
