@@ -507,3 +507,26 @@ def test_a_slowed_network_read_from_its_route_and_from_its_busy_hop_out_is_one_s
     # hop (ts-config, called by ts-pay). The hop links the two places, as it does for sparse streams.
     spikes = _netem()
     assert len(spikes) == 1, [(s.service, s.operation, s.peer_service, s.causes[:1]) for s in spikes.values()]
+
+
+def test_a_resource_flag_where_the_slow_requests_ran_completes_weak_evidence_but_never_one_request():
+    # A CPU fault of a few hundred ms on a route of a few calls a minute: two slow calls, each a little over
+    # the normal ones, fall short of the bar; the host's CPU gone busy while they ran says as much as one more.
+    asked: list[str] = []
+
+    def flagged(group: Group) -> float:
+        asked.append(group.locus)
+        return 3.1
+
+    weak, evidence = _group("ts-order", {HOP: [(1, 1.2, 30.0), (2, 1.2, 75.0)]})
+    assert IncidentBook(DetectionSettings()).step([weak], evidence.get, 10, T0 + 80 * NS) == []
+    (event,) = IncidentBook(DetectionSettings()).step([weak], evidence.get, 10, T0 + 80 * NS, flagged)
+    assert event.kind == "opened" and event.incident.evidence == 5.5 and asked == ["ts-order"]
+    # One slow request, however slow, with the flag: a lone stall on a busy host is still no spike.
+    lone, evidence = _group("ts-order", {HOP: [(3, 3.1, 30.0)]})
+    assert IncidentBook(DetectionSettings()).step([lone], evidence.get, 10, T0 + 40 * NS, flagged) == []
+    # Evidence enough without it: the flag is not asked for.
+    asked.clear()
+    strong, evidence = _group("ts-order", {HOP: [(4, 3.1, 30.0), (5, 3.1, 45.0)]})
+    (event,) = IncidentBook(DetectionSettings()).step([strong], evidence.get, 10, T0 + 50 * NS, flagged)
+    assert event.incident.evidence == 6.2 and asked == []

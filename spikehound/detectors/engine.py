@@ -281,7 +281,8 @@ class DetectionEngine:
                 groups = [g for g in groups if not now_hot.isdisjoint(g.members)]
             self._unclaim(groups)
             _with_their_roots(groups, [j for j in judgements if j.root and not j.hot])
-            events = self.incidents.step(groups, self.judge.evidence, self.judge.warm_streams(now_ns), now_ns)
+            events = self.incidents.step(groups, self.judge.evidence, self.judge.warm_streams(now_ns), now_ns,
+                                         self._resource_evidence)
         self._watch_ends(judgements)
         events += self._end(windows[0].end_unix_nano)
         q = self.settings.quarantine_before_ns
@@ -294,6 +295,29 @@ class DetectionEngine:
                     (j.evidence > 0.0 or j.elevated) and self.judge.unclaimed(j.samples) is not j.samples):
                 self._learn_normal(j)
         return events
+
+    def _resource_evidence(self, group: Group) -> float:
+        """What resource flags add to a group's evidence: one request's most (``max_surprise`` less the drift)
+        when a host that served its locus in its slow requests was flagged while they ran, and no open spike
+        at another place on that host explains the flag; else nothing."""
+        hosts = {sp.host for t in group.traces for sp in self.traces.trace(t)
+                 if sp.service == group.locus and sp.host}
+        if not hosts:
+            return 0.0
+        start = min(t.start_ns for t in group.traces.values()) - self.settings.window_ns
+        end = max(t.end_ns for t in group.traces.values()) + self.settings.window_ns
+        flagged = {f.host for f in self.resources.flags(sorted(hosts), start, end)}
+        if not flagged:
+            return 0.0
+        # A flag that explains an open spike's place on that host explains nothing more.
+        for incident in self.incidents.open_incidents:
+            if incident.locus == group.locus:
+                continue
+            for trace_id in list(incident.seen)[-32:]:
+                flagged -= {sp.host for sp in self.traces.trace(trace_id) if sp.service == incident.locus}
+            if not flagged:
+                return 0.0
+        return self.settings.max_surprise - self.settings.surprise_drift
 
     def _unclaim(self, groups: list[Group]) -> None:
         """Take out of each group the slow traces that began before a spike at its place ended: the last

@@ -21,7 +21,14 @@ sequential evidence of its slow requests, each trace counted once however many
 of the group's streams it slowed, less what the normal requests of those
 streams took away, reaches ``min_evidence`` over at least
 ``min_slow_requests`` distinct traces. A spike carried by five weak streams is
-still one strong spike.
+still one strong spike. A resource flag (:mod:`spikehound.detectors.resource`:
+a CPU gone busy, a GPU gone idle) on a host that served the group's locus
+while its slow requests ran is one more place saying the same: it adds what
+one request at ``max_surprise`` adds (the engine's ``resource_of``), unless an
+open spike at another place on that host explains it. A CPU
+contention of a few hundred milliseconds on a service of three calls a minute
+is then found on its second or third slow call, not its fifth; it never opens
+a spike on its own, nor on one slow request.
 
 - Both thresholds grow with ``log10`` of the number of streams being judged (a
   Bonferroni correction: at the same per-stream odds, ten times the streams
@@ -241,8 +248,9 @@ class IncidentBook:
         return math.log10(max(streams, _REFERENCE_STREAMS) / _REFERENCE_STREAMS)
 
     def step(self, groups: Iterable[Group], evidence_of: Callable[[StreamKey], SequentialEvidence | None],
-             streams: int, now_ns: int) -> list[IncidentEvent]:
-        """Judge one window's groups; return the incidents that opened or grew."""
+             streams: int, now_ns: int, resource_of: Callable[[Group], float] | None = None) -> list[IncidentEvent]:
+        """Judge one window's groups; return the incidents that opened or grew. ``resource_of`` gives the
+        evidence resource flags add to a group's (asked only of one whose requests fell short)."""
         events: list[IncidentEvent] = []
         correction = self.correction(streams)
         for group in sorted(groups, key=lambda g: g.locus):
@@ -259,7 +267,7 @@ class IncidentBook:
                     self._extend(incident, j, group)
                 events.append(IncidentEvent("updated", incident, list(group.members.values()), _slow_of(group)))
                 continue
-            new = self._try_open(group, evidence_of, correction, now_ns)
+            new = self._try_open(group, evidence_of, correction, now_ns, resource_of)
             if new is not None:
                 events.append(IncidentEvent("opened", new, list(group.members.values()), _slow_of(group)))
         return events
@@ -359,7 +367,8 @@ class IncidentBook:
     # -- internals ---------------------------------------------------------
 
     def _try_open(self, group: Group, evidence_of: Callable[[StreamKey], SequentialEvidence | None],
-                  correction: float, now_ns: int) -> Incident | None:
+                  correction: float, now_ns: int,
+                  resource_of: Callable[[Group], float] | None = None) -> Incident | None:
         s = self.settings
         # A fifth of a window at most: with windows of 2 s or less, 2 s could never be reached in one window.
         min_spread = min(s.min_spread_ns, s.window_ns // 5)
@@ -382,7 +391,10 @@ class IncidentBook:
             # Each stream whose evidence stood from earlier requests is one more place a stray could have come
             # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
             standing = sum(1 for stream in group.by_stream if group.members[stream].standing)
-            if strength < s.min_evidence + correction + math.log10(1 + standing):
+            bar = s.min_evidence + correction + math.log10(1 + standing)
+            if strength < bar and resource_of is not None:
+                strength += resource_of(group)
+            if strength < bar:
                 return None
             any_j = next(iter(group.members.values()))
             # Where the rise began is read from the streams that turned hot now: evidence that stood from
