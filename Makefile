@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/spikehound demo
 
 # Parallel on pytest-xdist workers; TEST_WORKERS=0 runs serially (docs/development.md).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 5
 
 test: $(STAMP)
 	sh tests/apt-install.sh prometheus "the Prometheus tests" prometheus promtool

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -210,6 +211,6 @@ def test_a_resume_that_lasts_says_so_while_commits_wait_for_it(tmp_path: Path, m
     waiting = [r for r in caplog.records if "has been resuming for" in r.getMessage()]
     assert len(waiting) >= 2, [r.getMessage() for r in waiting]  # said meanwhile, more than once
     # ...and not more often than every RESUME_LOG_SECONDS (a loaded machine only spaces the lines further)
-    gaps = [later.created - earlier.created for earlier, later in zip(waiting, waiting[1:])]
+    gaps = [later.created - earlier.created for earlier, later in itertools.pairwise(waiting)]
     assert min(gaps) >= 0.25, gaps
     engine.dispose()

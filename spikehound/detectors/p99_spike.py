@@ -37,9 +37,7 @@ import math
 from typing import Any
 
 from river import base, stats
-# bdtrc(k, n, p) is P(X > k) for X ~ Binomial(n, p): scipy.stats.binom.sf's value, without importing scipy.stats
-# (0.6 s of every collector's start).
-from scipy.special import bdtrc
+from scipy.special import bdtrc  # binom.sf's tail without importing scipy.stats (0.6 s of every start)
 
 __all__ = ["P99SpikeDetector", "null_exceed_rate"]
 
@@ -98,7 +96,7 @@ class P99SpikeDetector(base.AnomalyDetector):
         count, exceed = int(x.get("count", 0)), int(x.get("exceed", 0))
         if not self.warm or count == 0 or exceed == 0:
             return 0.0
-        p = bdtrc(exceed - 1, count, self.exceed_rate(count))  # P(exceed or more slow requests)
+        p = bdtrc(exceed - 1, count, self.exceed_rate(count))  # P(X > exceed - 1), X ~ Binomial(count, rate)
         return float(-math.log10(max(p, 1e-300)))
 
     def exceed_rate(self, count: int) -> float:
