@@ -41,11 +41,18 @@ def _scenario() -> Scenario:
     return Scenario("slow_db", "large", seed=3, minutes=5, onset_s=212.0, fault_s=60.0)
 
 
+# The tests compare what collectors found field for field. Input idle for collector.idle_flush_seconds of wall
+# time closes the open windows; the harness's 0.5 s let a sender starved that long on a loaded machine (five
+# workers on two cores) close windows before their last spans: a spike came out different in one fresh-clone
+# run. The production default leaves the sender that much more room.
+IDLE_FLUSH_SECONDS = 3.0
+
+
 @pytest.fixture(scope="module")
 def one_collector_spikes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What one collector finds in the scenario: the reference a cluster must match."""
     db = tmp_path_factory.mktemp("one") / "one.db"
-    with CollectorThread(collector_config(f"sqlite:///{db}")) as one:
+    with CollectorThread(collector_config(f"sqlite:///{db}", collector__idle_flush_seconds=IDLE_FLUSH_SECONDS)) as one:
         send(one.http_endpoint, scenario_requests(_scenario()))
         return one.spikes_once_settled()
 
@@ -76,7 +83,7 @@ def _settled(members: list[CollectorThread]) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def running(pg_url: str) -> Iterator[list[CollectorThread]]:
-    members = _members(pg_url, 3)
+    members = _members(pg_url, 3, collector__idle_flush_seconds=IDLE_FLUSH_SECONDS)
     for m in members:
         m.__enter__()
     try:
@@ -111,7 +118,7 @@ def test_a_leader_that_lost_its_session_writes_nothing_and_the_next_one_catches_
     again, it continues from the checkpoint and the feed, and finds what one collector finds."""
     bodies = scenario_requests(_scenario())
     cut = 2 * (int(_scenario().onset_s) + 25)  # the spike is open 25 s into the fault
-    members = _members(pg_url, 2, detection__checkpoint_seconds=1)
+    members = _members(pg_url, 2, detection__checkpoint_seconds=1, collector__idle_flush_seconds=IDLE_FLUSH_SECONDS)
     dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
     with (members[0], members[1], psycopg.connect(dsn, autocommit=True) as usurper,
           psycopg.connect(dsn, autocommit=True) as killer):
