@@ -27,7 +27,7 @@ import pickle
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, islice
 
 from spikehound.detectors.attribution import NormalProfile, TraceBreakdown, attribute, breakdown
 from spikehound.detectors.critical_path import TraceIndex
@@ -49,6 +49,7 @@ MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outa
 _WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows
 _LOCATE_TRACES = 32  # slow requests of a stream attributed to find its locus
+_EXPLAINING_TRACES = 32  # an open spike's newest traces, read for the hosts its place runs on
 
 
 @dataclass(slots=True)
@@ -313,7 +314,7 @@ class DetectionEngine:
         for incident in self.incidents.open_incidents:
             if incident.locus == group.locus:
                 continue
-            for trace_id in list(incident.seen)[-32:]:
+            for trace_id in islice(reversed(incident.seen), _EXPLAINING_TRACES):
                 flagged -= {sp.host for sp in self.traces.trace(trace_id) if sp.service == incident.locus}
             if not flagged:
                 return 0.0
