@@ -56,14 +56,17 @@ def _record_requests(spans: Sequence[Span], first_start: dict[bytes, int], into:
             into.setdefault(span.service, set()).add(span.trace_id)
 
 
-def run(timeline: MeshTimeline, settings: DetectionSettings | None = None) -> PatternRun:
-    """Feed one timeline through a fresh engine, second by second, as the collector would."""
+def run(timeline: MeshTimeline, settings: DetectionSettings | None = None, until_ns: int | None = None) -> PatternRun:
+    """Feed one timeline through a fresh engine, second by second, as the collector would (up to ``until_ns``
+    of event time, then flushed, when given)."""
     engine = DetectionEngine(settings or DetectionSettings())
     result = PatternRun(timeline, {}, {})
     started = time.perf_counter()
     first_start: dict[bytes, int] = {}
     into: dict[str, set[bytes]] = {}
     for batch in timeline.batches():
+        if until_ns is not None and batch.time_ns > until_ns:
+            break
         engine.add(batch.spans, batch.points)
         result.spans += len(batch.spans)
         _record_requests(batch.spans, first_start, into)

@@ -8,8 +8,6 @@ from harness.fault_patterns import run
 from harness.scenarios.fault_patterns import chaos
 from harness.scenarios.mesh_traffic import MeshFault, MeshTimeline
 from harness.scenarios.traffic import Batch
-from spikehound.detectors.engine import DetectionEngine
-from spikehound.detectors.settings import DetectionSettings
 from spikehound.units import NS
 
 FAULT = MeshFault("cpu", "ts-travel2-service", onset_s=21 * 60.0, duration_s=210.0, size_ms=500.0)
@@ -43,12 +41,7 @@ def test_a_flag_on_the_node_of_an_open_spike_completes_no_other_service_there():
     # there too, the one flag opened a second spike for the one fault.
     timeline = chaos(202)
     onset_ns = timeline.start_ns + int(3783.3 * NS)
-    engine, spikes = DetectionEngine(DetectionSettings()), {}
-    for batch in timeline.batches():
-        if batch.time_ns > onset_ns + 150 * NS:
-            break
-        engine.add(batch.spans, batch.points)
-        spikes.update((s.id, s) for s in engine.advance().spikes)
+    spikes = run(timeline, until_ns=onset_ns + 150 * NS).spikes
     during = [(s.service, s.causes[0].service if s.causes else None)
               for s in spikes.values() if s.start_unix_nano >= onset_ns - 30 * NS]
     assert during == [("ts-gateway-service", "ts-assurance-service")], during

@@ -301,8 +301,7 @@ class DetectionEngine:
         """What resource flags add to a group's evidence: one request's most (``max_surprise`` less the drift)
         when a host that served its locus in its slow requests was flagged while they ran, and no open spike
         at another place on that host explains the flag; else nothing."""
-        hosts = {sp.host for t in group.traces for sp in self.traces.trace(t)
-                 if sp.service == group.locus and sp.host}
+        hosts = self._hosts_of(group.locus, group.traces)
         if not hosts:
             return 0.0
         start = min(t.start_ns for t in group.traces.values()) - self.settings.window_ns
@@ -314,11 +313,14 @@ class DetectionEngine:
         for incident in self.incidents.open_incidents:
             if incident.locus == group.locus:
                 continue
-            for trace_id in islice(reversed(incident.seen), _EXPLAINING_TRACES):
-                flagged -= {sp.host for sp in self.traces.trace(trace_id) if sp.service == incident.locus}
+            flagged -= self._hosts_of(incident.locus, islice(reversed(incident.seen), _EXPLAINING_TRACES))
             if not flagged:
                 return 0.0
         return self.settings.max_surprise - self.settings.surprise_drift
+
+    def _hosts_of(self, service: str, trace_ids: Iterable[bytes]) -> set[str]:
+        """The hosts ``service`` ran on in these traces (those still buffered)."""
+        return {sp.host for t in trace_ids for sp in self.traces.trace(t) if sp.service == service and sp.host}
 
     def _unclaim(self, groups: list[Group]) -> None:
         """Take out of each group the slow traces that began before a spike at its place ended: the last
