@@ -52,6 +52,9 @@ GAUGES = {"open_windows": "spikehound_latency_open_windows", "streams": "spikeho
           "trace_buffer_bytes": "spikehound_trace_buffer_bytes", "catching_up": "spikehound_detection_catching_up",
           "stored_span_bytes": "spikehound_storage_span_payload_bytes",
           "late_spans": "spikehound_latency_late_spans_total"}
+# The collector's own process by allocator (spikehound/collector/memory_metrics.py), MB: which part of a rise
+# is a cache filling (sqlite), freed memory kept (malloc_free), or objects kept (python_blocks, in thousands).
+HEAP_KINDS = ("malloc_used", "malloc_free", "sqlite")
 
 
 def lateness_s(speed: float) -> float:
@@ -406,6 +409,10 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             metrics = scrape(self.api, timeout=10)
             row.update({k: sample(metrics, name) for k, name in GAUGES.items()})
             row["metrics_series"] = len(metrics)
+            row["heap_mb"] = {kind: round(v / 2**20, 1) for kind in HEAP_KINDS
+                              if (v := sample(metrics, "spikehound_process_heap_bytes", allocator=kind)) is not None}
+            if (blocks := sample(metrics, "spikehound_process_python_blocks")) is not None:
+                row["heap_mb"]["python_kblocks"] = round(blocks / 1000, 1)
             row["stored_spans"] = sample(metrics, "spikehound_ingest_stored_total", signal="spans")
         except Exception as exc:  # a collector restarting: the row says so
             row["scrape_error"] = str(exc)[:200]
@@ -422,9 +429,10 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
         self.samples.append(row)
         c = row["collector"] or {}
         agents = " ".join(f"{(a or {}).get('rss_mb', 0):.0f}" for a in row["agents"])
+        heap = " ".join(f"{kind} {v:.0f}" for kind, v in row.get("heap_mb", {}).items())
         self.log(f"[{self.storage} {wall / 60:5.1f} min, event {row['event_s'] / 3600:5.2f} h] collector "
                  f"{c.get('rss_mb', 0):.0f} MB (PSS {c.get('pss_mb', 0):.0f}, its own process "
-                 f"{c.get('main_rss_mb', 0):.0f}) {c.get('fds', 0)} fds, agents "
+                 f"{c.get('main_rss_mb', 0):.0f}: {heap}) {c.get('fds', 0)} fds, agents "
                  f"{agents} MB, db "
                  f"{row['db_bytes'] / 2**20:.0f} MB, spool {row['spool_bytes'] / 2**20:.1f} MB, open windows "
                  f"{row.get('open_windows')}, canaries {self.canaries_checked} checked {len(self.unserved)} lost")
@@ -632,6 +640,8 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             "collector_process_slope_by_kind_mb_per_h": {
                 kind: slope(lambda s: s["collector"], True, f"main_{kind}_mb")
                 for kind in MEMORY_KINDS},
+            "collector_process_slope_by_allocator_mb_per_h": {
+                kind: slope(lambda s: s.get("heap_mb"), True, kind) for kind in (*HEAP_KINDS, "python_kblocks")},
             "collector_pss_mb_by_life": life_levels(self.samples, "pss_mb"),
             "collector_rss_mb_max": max((s["collector"]["rss_mb"] for s in self.samples if s.get("collector")),
                                         default=None),

@@ -25,7 +25,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["configure_malloc", "heap_free_bytes", "release_free_heap"]
+__all__ = ["configure_malloc", "heap_free_bytes", "heap_used_bytes", "release_free_heap", "sqlite_heap_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,25 @@ def _glibc() -> ctypes.CDLL | None:
 _LIBC = _glibc()
 
 
+def _sqlite() -> ctypes.CDLL | None:
+    """The SQLite library Python's ``sqlite3`` module is linked to (one instance per process), or None."""
+    try:
+        import _sqlite3
+
+        lib = ctypes.CDLL(ctypes.util.find_library("sqlite3") or "libsqlite3.so.0")
+        lib.sqlite3_memory_used.restype = ctypes.c_int64
+        lib.sqlite3_libversion.restype = ctypes.c_char_p
+        # Another copy than the module's (a statically linked build) would count nothing of it.
+        if lib.sqlite3_libversion().decode() != _sqlite3.sqlite_version:
+            return None
+    except (OSError, AttributeError, ImportError):
+        return None
+    return lib
+
+
+_SQLITE = _sqlite()
+
+
 def configure_malloc() -> bool:
     """At start, before threads: two arenas and a fixed mmap threshold. False where malloc is not glibc's."""
     if _LIBC is None:
@@ -64,6 +83,19 @@ def configure_malloc() -> bool:
 def heap_free_bytes() -> int:
     """Bytes malloc holds free in its heaps (0 where unknown)."""
     return int(_LIBC.mallinfo2().fordblks) if _LIBC is not None else 0
+
+
+def heap_used_bytes() -> int:
+    """Bytes in use from malloc: its heaps' blocks and the blocks mapped on their own (0 where unknown)."""
+    if _LIBC is None:
+        return 0
+    info = _LIBC.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def sqlite_heap_bytes() -> int:
+    """Bytes SQLite holds in this process (page caches, statements; ``sqlite3_memory_used``), 0 where unknown."""
+    return int(_SQLITE.sqlite3_memory_used()) if _SQLITE is not None else 0
 
 
 def release_free_heap() -> int:

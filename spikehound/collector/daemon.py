@@ -32,6 +32,7 @@ from spikehound.collector.exported_metrics import install_exported_metrics
 from spikehound.collector.ingest import Ingest
 from spikehound.collector.ingest_queue import IngestQueue
 from spikehound.collector.local_detection import LocalDetection
+from spikehound.collector.memory_metrics import ProcessMemoryMetrics
 from spikehound.collector.otlp_grpc import start_grpc
 from spikehound.collector.otlp_http import HttpReceiver
 from spikehound.collector.pipeline import CommitPath, IngestPipeline, PipelineParts, PipelineSettings
@@ -177,6 +178,7 @@ class Collector:
             self.pipeline, self.detection, self.retention = pipeline, detection, pipeline.parts.retention
             detecting = detection
         self.telemetry.registry.register(detecting.metrics)
+        self.telemetry.registry.register(ProcessMemoryMetrics())
         detecting.announcer.listeners.append(alerting.observe)
         install_exported_metrics(cfg, pipeline, self.telemetry, reader)
         ingest = Ingest.configured(queue, self.telemetry, c, health)

@@ -42,6 +42,7 @@ from spikehound.collector.storage_health import StorageHealth
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.detectors.engine import CHECKPOINT_FORMAT, Detection
+from spikehound.heap import release_free_heap
 from spikehound.otlp import encode_spans, spans_of_block
 from spikehound.storage import checkpoints
 from spikehound.storage.writer import WriteBatch
@@ -426,6 +427,9 @@ class ProcessDetection:
             self.health.note("detector checkpoint", exc)
             return
         self.telemetry.checkpoint_seconds.observe(time.perf_counter() - started)
+        # The child gives back its own free heap after each snapshot; this process's (the writer's batches, the
+        # snapshot just written) is given back here, or glibc keeps it for good (spikehound/heap.py).
+        await asyncio.to_thread(release_free_heap)
 
     def probe(self) -> None:
         """On the writer thread during a storage episode: save a checkpoint (sizeable, so a full disk does not
