@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.profile_diff
 	$(BIN)/python -m benchmarks.fuzz
 	$(BIN)/python -m benchmarks.api_fuzz
+	$(BIN)/python -m benchmarks.spike_list
 	$(BIN)/python -m benchmarks.soak
 
 lint: $(STAMP)

@@ -10,7 +10,12 @@ long-lived objects sat among the freed ones. Three settings cure it:
   the gRPC and writer threads, keeps an arena of its own, each with its own free memory);
 * a fixed threshold of 1 MiB above which a block is mapped on its own and unmapped when freed (glibc
   otherwise raises it after each large free, so the next checkpoint's blob lands in the heap);
-* :func:`release_free_heap` after each checkpoint and after a catch-up: free pages go back to the system.
+* :func:`release_free_heap` after each checkpoint and after a catch-up, in the collector and in its detection
+  process: free pages go back to the system.
+
+What the heaps hold is read by :func:`heap_used_bytes`, :func:`heap_free_bytes` and :func:`sqlite_heap_bytes`
+(SQLite's own count of its page caches, which live in malloc's heaps too), for the collector's
+``spikehound_process_heap_bytes``.
 
 >>> import sys
 >>> configure_malloc() == sys.platform.startswith("linux")  # glibc here; elsewhere nothing to set
@@ -62,7 +67,7 @@ def _sqlite() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(ctypes.util.find_library("sqlite3") or "libsqlite3.so.0")
         lib.sqlite3_memory_used.restype = ctypes.c_int64
         lib.sqlite3_libversion.restype = ctypes.c_char_p
-        # Another copy than the module's (a statically linked build) would count nothing of it.
+        # A copy of another version than the module's (a statically linked build) counts nothing of it.
         if lib.sqlite3_libversion().decode() != _sqlite3.sqlite_version:
             return None
     except (OSError, AttributeError, ImportError):
@@ -81,7 +86,7 @@ def configure_malloc() -> bool:
 
 
 def heap_free_bytes() -> int:
-    """Bytes malloc holds free in its heaps (0 where unknown)."""
+    """Bytes free in malloc's heaps (0 where unknown); pages :func:`release_free_heap` gave back still count."""
     return int(_LIBC.mallinfo2().fordblks) if _LIBC is not None else 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -120,6 +121,30 @@ def test_spikes_are_served_in_the_brief_shape(tmp_path: Path):
         "recurrence_of": None, "occurrence": 1, "first_start": None}
     # A service is found by the streams the spike moved, not only by the one that leads it.
     assert [s["id"] for s in moved["spikes"]] == ["sp1"] and unmoved["spikes"] == []
+
+
+def test_a_polled_spike_list_follows_a_spike_written_again_after_it_resolved(tmp_path: Path):
+    # Resolved spikes are kept as built and encoded between polls (storage/resolved_spikes.py); a detection
+    # process that judges again after a restart writes one anew, and the next poll must show what it wrote.
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    moved = tuple(AffectedStream("gateway", f"route {i}", None, 1_700_000_000 * 10**9, 1_700_000_200 * 10**9,
+                                 250_000_000, 40_000_000, 9.5, 12) for i in range(20))
+    spike = Spike(id="sp1", service="gateway", operation="route 0", state="resolved",
+                  start_unix_nano=1_700_000_000 * 10**9, end_unix_nano=1_700_000_240 * 10**9, p99_ns=250_000_000,
+                  baseline_p99_ns=40_000_000, causes=(), exemplar_trace_ids=(), affected=moved)
+    writer = Writer(engine)
+    writer.write(WriteBatch(spikes=[spike]))
+    with CollectorThread(collector_config(url)) as c:
+        api = ApiClient(c.api)
+        first, again = (api.get_json("/api/v1/spikes")["spikes"] for _ in range(2))
+        writer.write(WriteBatch(spikes=[dataclasses.replace(spike, affected=(
+            *moved[:19], dataclasses.replace(moved[19], slow_requests=13)))]))
+        after = api.get_json("/api/v1/spikes")["spikes"]
+    engine.dispose()
+    assert first == again and len(first[0]["affected_streams"]) == 20
+    assert [a["slow_requests"] for a in after[0]["affected_streams"]] == [12] * 19 + [13]
 
 
 def test_tokens_guard_api_and_otlp(tmp_path: Path):

@@ -15,6 +15,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from sqlalchemy import Engine, select, text
 
 from spikehound.model import (
+    AffectedStream,
     Span,
     SpanKind,
     StatusCode,
@@ -463,6 +464,30 @@ def test_a_spike_written_again_is_updated_and_its_causes_replaced(engine):
     assert [s.id for s in reader.spikes()] == ["c3", "b2", "a1"]
     assert [s.id for s in reader.spikes(state="open")] == ["b2"]
     assert reader.exemplar_trace_ids() == {tid(1), tid(2), tid(3), tid(9)}
+
+
+def test_a_resolved_spike_is_built_once_and_read_afresh_whenever_it_is_written_again(engine):
+    # The spike list is polled: a resolved spike's causes and streams no longer change, and are not built again
+    # (storage/resolved_spikes.py), unless a detection process that judged again writes the spike anew.
+    streams = tuple(AffectedStream(service="gateway", operation=f"route {i}", peer_service=None,
+                                   start_unix_nano=T0, last_anomalous_end_unix_nano=T0 + 50 * S, p99_ns=900 * MS,
+                                   baseline_p99_ns=100 * MS, evidence=5.0 + i, slow_requests=3 + i)
+                    for i in range(30))
+    writer, reader = Writer(engine), Reader(engine)
+    resolved = dataclasses.replace(SPIKES[0], affected=streams)
+    writer.write(WriteBatch(spikes=[resolved, *SPIKES[1:]]), now_ns=NOW)
+
+    first, again = reader.spikes(), reader.spikes()
+    assert first == again == [SPIKES[2], SPIKES[1], resolved]
+    assert again[2] is first[2] and reader.spike("a1") is first[2]  # built once
+    assert again[0] is not first[0]  # an open spike is read afresh
+
+    one_more_slow = (*streams[:7], dataclasses.replace(streams[7], slow_requests=11), *streams[8:])
+    for rewritten in (dataclasses.replace(resolved, affected=one_more_slow),
+                      dataclasses.replace(resolved, affected=one_more_slow, causes=causes(11)),
+                      dataclasses.replace(resolved, affected=one_more_slow, causes=causes(11), p99_ns=950 * MS)):
+        writer.write(WriteBatch(spikes=[rewritten]), now_ns=NOW + S)
+        assert reader.spikes()[2] == reader.spike("a1") == rewritten
 
 
 # --- failures ---------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ class ProcessMemoryMetrics(Collector):
         heap = GaugeMetricFamily(
             "spikehound_process_heap_bytes",
             "Bytes of this process's heaps by allocator: malloc_used (glibc's malloc, in use: buffers, "
-            "payloads, SQLite's caches, native libraries), malloc_free (free in glibc's heaps, not yet given "
-            "back), sqlite (SQLite's page caches and statements, bounded by its soft heap limit; a part of "
-            "malloc_used). 0 where unknown.",
+            "payloads, SQLite's caches, native libraries), malloc_free (free in glibc's heaps: after a "
+            "checkpoint its whole pages are given back to the system but still counted here), sqlite "
+            "(SQLite's page caches and statements, bounded by its soft heap limit; a part of malloc_used). "
+            "0 where unknown.",
             labels=["allocator"])
         heap.add_metric(["malloc_used"], heap_used_bytes())
         heap.add_metric(["malloc_free"], heap_free_bytes())

@@ -3,5 +3,5 @@
 The collector and the CLI use the modules named below; ``migrations/`` is Alembic's, read through ``migrate``.
 """
 
-__all__ = ["alerts", "checkpoints", "cluster", "engine", "migrate", "reader", "retention", "schema",
-           "trace_search", "writer"]
+__all__ = ["alerts", "checkpoints", "cluster", "engine", "migrate", "reader", "resolved_spikes", "retention",
+           "schema", "trace_search", "writer"]

@@ -31,6 +31,7 @@ from spikehound.model import (
 )
 from spikehound.otlp import spans_of_block, spans_of_trace
 from spikehound.storage import schema, trace_search
+from spikehound.storage.resolved_spikes import ResolvedSpikes
 from spikehound.storage.trace_search import MAX_DEPENDENCY_SPANS, MAX_SCANNED_SPANS, TraceQuery
 from spikehound.units import NS
 
@@ -108,6 +109,7 @@ class Reader:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._resolved: ResolvedSpikes[Spike] = ResolvedSpikes()
 
     def trace(self, trace_id: bytes) -> list[Span]:
         """Every span of a trace, oldest first; a span stored twice (a retried export) is served once."""
@@ -224,8 +226,40 @@ class Reader:
         with self.engine.connect() as conn:
             return {str(name): int(n) for name, n in conn.execute(query)}
 
+    def _with_causes(self, conn: Any, rows: Sequence[Any]) -> list[Spike]:
+        """The spikes of ``rows`` with their causes and streams; resolved ones as built before when their stamp
+        is the same (:mod:`spikehound.storage.resolved_spikes`)."""
+        if not rows:
+            return []
+        resolved = [r.id for r in rows if r.state == "resolved"]
+        stamps = self._resolved_stamps(conn, resolved) if resolved else {}
+        kept = {r.id: spike for r in rows if r.id in stamps
+                and (spike := self._resolved.get((tuple(r), stamps[r.id]))) is not None}
+        built = {spike.id: spike for spike in self._build_spikes(conn, [r for r in rows if r.id not in kept])}
+        for r in rows:
+            if r.id in stamps and r.id in built:
+                self._resolved.put((tuple(r), stamps[r.id]), built[r.id])
+        return [kept.get(r.id) or built[r.id] for r in rows]
+
     @staticmethod
-    def _with_causes(conn: Any, rows: Sequence[Any]) -> list[Spike]:
+    def _resolved_stamps(conn: Any, ids: list[str]) -> dict[str, tuple[Any, ...]]:
+        """Per spike, what the database sums up of its stream and cause rows: any rewrite changes it."""
+        c, a = schema.causes, schema.spike_streams
+        stamps: dict[str, tuple[Any, ...]] = {i: () for i in ids}
+        for spike_id, *figures in conn.execute(
+                select(a.c.spike_id, func.count(), func.sum(a.c.slow_requests), func.sum(a.c.evidence),
+                       func.max(a.c.last_anomalous_end_ns), func.sum(a.c.p99_ns))
+                .where(a.c.spike_id.in_(ids)).group_by(a.c.spike_id)).all():
+            stamps[spike_id] += tuple(figures)
+        for spike_id, *figures in conn.execute(
+                select(c.c.spike_id, func.count(), func.sum(c.c.score), func.sum(c.c.baseline), func.sum(c.c.observed),
+                       func.sum(func.length(c.c.summary)))
+                .where(c.c.spike_id.in_(ids)).group_by(c.c.spike_id)).all():
+            stamps[spike_id] += ("causes", *figures)
+        return stamps
+
+    @staticmethod
+    def _build_spikes(conn: Any, rows: Sequence[Any]) -> list[Spike]:
         if not rows:
             return []
         c, a = schema.causes, schema.spike_streams

@@ -25,6 +25,7 @@ from spikehound.collector.rest.common import (
     ALERTING,
     API_TOKEN,
     DIFF_GATE,
+    ENCODED_SPIKES,
     EXECUTOR,
     READER,
     READY,
@@ -38,6 +39,7 @@ from spikehound.collector.storage_health import DATABASE_AWAY, READ_RETRY_AFTER_
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.web import routes as web_pages
 from spikehound.storage.reader import Reader
+from spikehound.storage.resolved_spikes import ResolvedSpikes
 
 log = logging.getLogger("spikehound.collector.api")
 
@@ -87,6 +89,7 @@ def build_app(reader: Reader, telemetry: CollectorTelemetry, ready: Callable[[],
     app[ALERTING] = alerting
     app[EXECUTOR] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spikehound-api")
     app[DIFF_GATE] = DiffGate(refused=telemetry.profile_diffs_refused)
+    app[ENCODED_SPIKES] = ResolvedSpikes()
 
     async def shutdown_executor(app: web.Application) -> None:
         app[EXECUTOR].shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,7 @@ from spikehound.collector.alerts.alerting import Alerting
 from spikehound.collector.spike_profile import DiffGate
 from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.storage.reader import Reader
+from spikehound.storage.resolved_spikes import ResolvedSpikes
 from spikehound.timefmt import MIN_NS, parse_time
 from spikehound.units import NS
 
@@ -43,6 +44,8 @@ EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 ALERTING = web.AppKey("alerting", Alerting)
 API_TOKEN = web.AppKey("api_token", str)  # "" when the API is open
 DIFF_GATE = web.AppKey("diff_gate", DiffGate)  # the profile diffs running at once: the API's and the page's
+# Resolved spikes' JSON, by the object the reader built (one it keeps while the spike stays as it is).
+ENCODED_SPIKES = web.AppKey("encoded_spikes", ResolvedSpikes)
 
 
 class ApiError(Exception):
