@@ -243,7 +243,8 @@ class Reader:
 
     @staticmethod
     def _resolved_stamps(conn: Any, ids: list[str]) -> dict[str, tuple[Any, ...]]:
-        """Per spike, what the database sums up of its stream and cause rows: any rewrite changes it."""
+        """Per spike, what the database sums up of its stream and cause rows (counts, sums, the latest end): a
+        spike written again with other figures has another stamp."""
         c, a = schema.causes, schema.spike_streams
         stamps: dict[str, tuple[Any, ...]] = {i: () for i in ids}
         for spike_id, *figures in conn.execute(
