@@ -53,7 +53,8 @@ GAUGES = {"open_windows": "spikehound_latency_open_windows", "streams": "spikeho
           "stored_span_bytes": "spikehound_storage_span_payload_bytes",
           "late_spans": "spikehound_latency_late_spans_total"}
 # The collector's own process by allocator (spikehound/collector/memory_metrics.py), MB: which part of a rise
-# is a cache filling (sqlite), freed memory kept (malloc_free), or objects kept (python_blocks, in thousands).
+# is a cache filling (sqlite), C memory in use (malloc_used) or free in its heaps (malloc_free), or Python's
+# objects (python_kblocks: its allocated blocks, in thousands, beside them in each sample's heap_mb).
 HEAP_KINDS = ("malloc_used", "malloc_free", "sqlite")
 
 
