@@ -13,7 +13,7 @@ long-lived objects sat among the freed ones. Three settings cure it:
 * :func:`release_free_heap` after each checkpoint and after a catch-up, in the collector and in its detection
   process: free pages go back to the system.
 
-What the heaps hold is read by :func:`heap_used_bytes`, :func:`heap_free_bytes` and :func:`sqlite_heap_bytes`
+What the heaps hold is read by :func:`heap_used_and_free_bytes` and :func:`sqlite_heap_bytes`
 (SQLite's own count of its page caches, which live in malloc's heaps too), for the collector's
 ``spikehound_process_heap_bytes``.
 
@@ -30,7 +30,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["configure_malloc", "heap_free_bytes", "heap_used_bytes", "release_free_heap", "sqlite_heap_bytes"]
+__all__ = ["configure_malloc", "heap_free_bytes", "heap_used_and_free_bytes", "release_free_heap", "sqlite_heap_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,13 @@ def heap_free_bytes() -> int:
     return int(_LIBC.mallinfo2().fordblks) if _LIBC is not None else 0
 
 
-def heap_used_bytes() -> int:
-    """Bytes in use from malloc: its heaps' blocks and the blocks mapped on their own (0 where unknown)."""
+def heap_used_and_free_bytes() -> tuple[int, int]:
+    """Bytes in use from malloc (its heaps' blocks and those mapped on their own) and bytes free in its heaps,
+    from one walk of the arenas ((0, 0) where unknown)."""
     if _LIBC is None:
-        return 0
+        return 0, 0
     info = _LIBC.mallinfo2()
-    return int(info.uordblks + info.hblkhd)
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)
 
 
 def sqlite_heap_bytes() -> int:

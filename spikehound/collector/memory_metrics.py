@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from spikehound.heap import heap_free_bytes, heap_used_bytes, sqlite_heap_bytes
+from spikehound.heap import heap_used_and_free_bytes, sqlite_heap_bytes
 
 
 class ProcessMemoryMetrics(Collector):
@@ -35,8 +35,9 @@ class ProcessMemoryMetrics(Collector):
             "(SQLite's page caches and statements, bounded by its soft heap limit; a part of malloc_used). "
             "0 where unknown.",
             labels=["allocator"])
-        heap.add_metric(["malloc_used"], heap_used_bytes())
-        heap.add_metric(["malloc_free"], heap_free_bytes())
+        used, free = heap_used_and_free_bytes()  # one walk of malloc's arenas for both
+        heap.add_metric(["malloc_used"], used)
+        heap.add_metric(["malloc_free"], free)
         heap.add_metric(["sqlite"], sqlite_heap_bytes())
         yield heap
         yield GaugeMetricFamily("spikehound_process_python_blocks",
