@@ -116,7 +116,7 @@ def print_summary(r: dict[str, Any]) -> None:
         print(f"{r['storage']}: FAILED: {r['failed']}")
         return
     keys = ("event_hours", "acked_spans", "canaries", "collector_lives", "rss_slope_mb_per_h", "pss_slope_mb_per_h",
-            "collector_process_rss_slope_mb_per_h",
+            "collector_process_rss_slope_mb_per_h", "collector_process_rss_trend",
             "collector_process_slope_by_kind_mb_per_h", "collector_pss_mb_by_life", "collector_rss_mb_max",
             "collector_fds", "agent_fds", "db_mb_band", "api_p99_ms", "page_p99_ms", "faults", "found", "top1",
             "recall_per_6h", "spikes_per_fault", "false_by_reason", "spikes_paged", "sender_max_lag_s",

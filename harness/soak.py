@@ -206,10 +206,23 @@ def settled_samples(samples: list[dict[str, Any]], settle_s: float = LIFE_SETTLE
 def pooled_slope(points: Iterable[tuple[float, float, int]]) -> float | None:
     """Slope (y per x) of (x, y, life) points with an intercept per life: how a process grows while it runs,
     across restarts that reset it. None with too few points."""
+    fit = pooled_fit(points)
+    return fit[0] if fit else None
+
+
+def pooled_fit(points: Iterable[tuple[float, float, int]]) -> tuple[float, float] | None:
+    """:func:`pooled_slope` and its standard error: samples that swing by 100 MB around a flat level give a
+    slope of some MB an hour either way over an hour, and the error says how far from zero that is.
+
+    >>> slope, error = pooled_fit([(0, 100, 1), (1, 112, 1), (2, 118, 1), (3, 132, 1)])
+    >>> round(slope, 1), round(error, 1)
+    (10.2, 1.0)
+    """
     lives: dict[int, list[tuple[float, float]]] = {}
     for x, y, life in points:
         lives.setdefault(life, []).append((x, y))
     num = den = 0.0
+    used: list[tuple[float, float, float, float]] = []  # x, y and the life's means
     for pts in lives.values():
         if len(pts) < 3:
             continue
@@ -217,7 +230,29 @@ def pooled_slope(points: Iterable[tuple[float, float, int]]) -> float | None:
         my = statistics.fmean(y for _, y in pts)
         num += sum((x - mx) * (y - my) for x, y in pts)
         den += sum((x - mx) ** 2 for x, _ in pts)
-    return num / den if den else None
+        used += [(x, y, mx, my) for x, y in pts]
+    if not den:
+        return None
+    slope = num / den
+    freedom = len(used) - 1 - sum(len(p) >= 3 for p in lives.values())  # the slope and each life's intercept
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y, mx, my in used)
+    return slope, (residual / freedom / den) ** 0.5 if freedom > 0 else float("inf")
+
+
+def medians_by(samples: list[dict[str, Any]], pick: Callable[[dict[str, Any]], float | None],
+               every_s: float = 600.0) -> list[tuple[float, float]]:
+    """(minute, median) of a figure in each ``every_s`` of wall time: the level a process holds, without the
+    30 s samples' swings (a batch in flight, a checkpoint's pickle).
+
+    >>> rows = [{"wall_s": t, "v": 100 + (50 if t % 90 == 0 else 0)} for t in range(0, 1200, 30)]
+    >>> medians_by(rows, lambda s: s["v"])
+    [(0.0, 100.0), (10.0, 100.0)]
+    """
+    buckets: dict[int, list[float]] = {}
+    for s in samples:
+        if (value := pick(s)) is not None:
+            buckets.setdefault(int(s["wall_s"] // every_s), []).append(value)
+    return [(k * every_s / 60, round(statistics.median(v), 1)) for k, v in sorted(buckets.items())]
 
 
 def life_levels(samples: list[dict[str, Any]], figure: str = "rss_mb") -> list[float]:
@@ -601,6 +636,18 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             time.sleep(2)
         self.log(f"[{self.storage}] not settled after {timeout:.0f} s")
 
+    def trend(self, hour: float) -> dict[str, Any]:
+        """The collector's own RSS after ``hour``: the samples' slope with its standard error, and the 10-minute
+        medians (of the whole run) with their slope, which the samples' swings do not move."""
+        own = [s for s in settled_samples(self.samples) if s.get("collector") and "main_rss_mb" in s["collector"]]
+        fit = pooled_fit((s["wall_s"] / 3600, s["collector"]["main_rss_mb"], s["life"]) for s in own
+                         if s["wall_s"] >= hour)
+        medians = medians_by(own, lambda s: s["collector"]["main_rss_mb"])
+        later = [(minute / 60, mb, 0) for minute, mb in medians if minute * 60 >= hour]
+        return {"slope_mb_per_h": fit[0] if fit else None, "standard_error_mb_per_h": fit[1] if fit else None,
+                "medians_slope_mb_per_h": pooled_slope(later) if self.lives == 1 else None,
+                "ten_minute_medians_mb": medians}
+
     def summary(self, plan: SoakPlan, acc: Accuracy, notifications: int) -> dict[str, Any]:
         hour = min(3600.0, self.settings.hours * 3600 / 2)  # "after the first hour" (half of a shorter run)
         late = [s for s in self.samples if s["wall_s"] >= hour]
@@ -638,6 +685,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                                    **{f"agent-{i + 1}": slope(lambda s, i=i: s["agents"][i], False, "pss_mb")
                                       for i in range(len(self.agents))}},
             "collector_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "main_rss_mb"),
+            "collector_process_rss_trend": self.trend(hour),
             "collector_process_slope_by_kind_mb_per_h": {
                 kind: slope(lambda s: s["collector"], True, f"main_{kind}_mb")
                 for kind in MEMORY_KINDS},
