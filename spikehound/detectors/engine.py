@@ -622,7 +622,10 @@ class DetectionEngine:
 
 def _with_their_roots(groups: list[Group], roots: list[Judgement]) -> None:
     """Add to each group the trace-root streams its slow requests came through, hot or not: what users
-    called leads an incident, even where a deeper stream saw the rise first."""
+    called leads an incident, even where a deeper stream saw the rise first. A root with no learned normal (a
+    name seen for the first time, as a badly templated route makes one a request) has no p99 to rise from:
+    listed, it would read "1.6 s against 0 ms" and crowd out the streams that did rise."""
+    roots = [j for j in roots if j.baseline_ns > 0]
     for group in groups:
         slow = group.slow_ids
         slow.update(group.traces)
