@@ -137,6 +137,25 @@ def test_looking_back_at_standing_evidence_pays_for_it_like_judging_more_streams
     assert IncidentBook(DetectionSettings()).step([looked_back], evidence.get, 190, T0 + 30 * NS) == []
 
 
+def test_a_stall_a_minute_before_does_not_make_chance_requests_elsewhere_a_spike():
+    # The soak's false spike in a load drop: a 5 s stall on the admin route at 30 s, whose evidence its few
+    # calls since had not worn down, then four requests just past their streams' p99 at 90-104 s, each on
+    # another stream through the same place. Those four say 3.9, under the bar; the stall is not their run.
+    stall = {s: [(1, 3.1, 30.0)] for s in (ROUTE, ENTRY)}
+    weak = {StreamKey("ts-station", f"GET /op{i}", "ts-order"): [(2 + i, gain, end_s)]
+            for i, (gain, end_s) in enumerate(((1.0, 90.0), (1.2, 95.0), (0.8, 100.0), (0.9, 104.0)))}
+    group, evidence = _group("ts-order", {**stall, **weak})
+    assert IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 110 * NS) == []
+    # The same slow call on streams that had no call since still stands for its place (paid for as above).
+    group, evidence = _group("ts-order", {**stall, **weak}, standing=set(stall))
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 110 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 7.0
+    # And a stream of one call a minute whose next call is slow again carries its first one (a fault's pace).
+    group, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 30.0), (2, 3.1, 113.0)]})
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 120 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 6.2
+
+
 def test_the_bar_rises_with_the_number_of_streams_judged():
     group, evidence = _group("ts-order", {HOP: [(1, 2.4, 30.0), (2, 2.4, 45.0)]})  # 4.8 of evidence
     assert IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 50 * NS)

@@ -377,32 +377,47 @@ class IncidentBook:
             strength = max(j.score for j in dense)
             start = min(j.onset_ns for j in dense)
         else:
-            traces = group.traces
+            # What opens a spike is the latest run of slow requests and the earlier ones of the streams that
+            # carry on: a stream in the run, or one that had no call since (standing, paid for below). A
+            # stream whose only slow requests came before the run and that had normal calls since had its say:
+            # a lone stall a minute before, whose evidence its few calls (at night, in a load drop) had not yet
+            # worn down, would make chance requests on other streams of its place look like a rise.
+            if len(group.traces) < s.min_slow_requests:
+                return None
+            any_j = next(iter(group.members.values()))
+            width = any_j.window_end_ns - any_j.window_start_ns
+            ends = sorted(t.end_ns for t in group.traces.values())
+            run_from = ends[_latest_run(ends, width)]
+            carry_on = {t for stream, ids in group.by_stream.items()
+                        if group.members[stream].standing or any(group.traces[t].end_ns >= run_from for t in ids)
+                        for t in ids}
+            traces = {t: slow for t, slow in group.traces.items() if t in carry_on}
             if len(traces) < s.min_slow_requests:
                 return None
-            ends = sorted(t.end_ns for t in traces.values())
+            ends = sorted(slow.end_ns for slow in traces.values())
             if ends[-1] - ends[0] < s.min_slow_spread_ns:
                 return None
             penalty = 0.0
-            for stream in group.by_stream:  # the streams whose slow requests are counted
+            for stream, ids in group.by_stream.items():  # the streams whose slow requests are counted
                 evidence = evidence_of(stream)
-                penalty += evidence.penalty if evidence is not None else 0.0
+                if evidence is not None and not ids.isdisjoint(traces):
+                    penalty += evidence.penalty
             strength = _once_per_stall(traces.values()) + penalty
             # Each stream whose evidence stood from earlier requests is one more place a stray could have come
             # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
-            standing = sum(1 for stream in group.by_stream if group.members[stream].standing)
+            standing = sum(1 for stream, ids in group.by_stream.items()
+                           if group.members[stream].standing and not ids.isdisjoint(traces))
             bar = s.min_evidence + correction + math.log10(1 + standing)
             if strength < bar and resource_of is not None:
                 strength += resource_of(group)
             if strength < bar:
                 return None
-            any_j = next(iter(group.members.values()))
             # Where the rise began is read from the streams that turned hot now: evidence that stood from
             # earlier requests adds to the strength, and a stray slow request among it is no onset. Nor is it
             # before the latest run of all its slow requests: a stream that turned hot now on one stray
             # minutes ago, beside streams whose evidence stood from the fault, does not date it.
-            width = any_j.window_end_ns - any_j.window_start_ns
-            fresh = {t for stream, ids in group.by_stream.items() if not group.members[stream].standing for t in ids}
+            fresh = {t for stream, ids in group.by_stream.items() if not group.members[stream].standing
+                     for t in ids if t in traces}
             start = _run_onset(traces.values(), width)
             if fresh:
                 start = max(start, _run_onset([traces[t] for t in fresh], width))
@@ -527,6 +542,19 @@ def _run_onset(slow: Iterable[SlowTrace], window_ns: int) -> int:
     return incident_onset([end for end, _ in run], window_ns, [gain for _, gain in run])
 
 
+def _latest_run(ends: list[int], window_ns: int) -> int:
+    """The index of the first of the latest run of ``ends`` (ascending): going back from the newest, each
+    earlier one is taken while the gap to it is at most ``_RUN_GAP`` times the run's typical gap plus a window."""
+    first = len(ends) - 1
+    while first > 0:
+        gaps = sorted(b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)) or [window_ns]
+        typical = gaps[len(gaps) // 2]
+        if ends[first] - ends[first - 1] > _RUN_GAP * typical + window_ns:
+            break
+        first -= 1
+    return first
+
+
 def incident_onset(ends: list[int], window_ns: int, gains: list[float] | None = None) -> int:
     """The start of the window in which the slow requests (ending at ascending ``ends``) began to come.
 
@@ -545,13 +573,7 @@ def incident_onset(ends: list[int], window_ns: int, gains: list[float] | None = 
     >>> incident_onset([13 * s, 53 * s, 64 * s], 10 * s, [0.8, 3.1, 3.1]) // s  # a weak one leads it
     50
     """
-    first = len(ends) - 1
-    while first > 0:
-        gaps = sorted(b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)) or [window_ns]
-        typical = gaps[len(gaps) // 2]
-        if ends[first] - ends[first - 1] > _RUN_GAP * typical + window_ns:
-            break
-        first -= 1
+    first = _latest_run(ends, window_ns)
     if gains is not None:
         run = sorted(gains[first:])
         bar = WEAK_LEAD * run[len(run) // 2]
