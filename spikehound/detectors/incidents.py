@@ -20,8 +20,10 @@ streams' window test fires (``min_score``, corrected as below), or the
 sequential evidence of its slow requests, each trace counted once however many
 of the group's streams it slowed, less what the normal requests of those
 streams took away, reaches ``min_evidence`` over at least
-``min_slow_requests`` distinct traces. A spike carried by five weak streams is
-still one strong spike. A resource flag (:mod:`spikehound.detectors.resource`:
+``min_slow_requests`` distinct traces: those of its latest run, and the
+earlier ones of the streams that carry on (in the run, or standing); a stream
+that had normal calls since its only slow one had its say. A spike carried by
+five weak streams is still one strong spike. A resource flag (:mod:`spikehound.detectors.resource`:
 a CPU gone busy, a GPU gone idle) on a host that served the group's locus
 while its slow requests ran is one more place saying the same: it adds what
 one request at ``max_surprise`` adds (the engine's ``resource_of``), unless an
