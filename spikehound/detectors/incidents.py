@@ -23,9 +23,9 @@ streams took away, reaches ``min_evidence`` over at least
 ``min_slow_requests`` distinct traces: those of its latest run, and the
 earlier ones of the streams that carry on (in the run, or standing); a stream
 that had normal calls since its only slow one had its say. A spike carried by
-five weak streams is still one strong spike. A resource flag (:mod:`spikehound.detectors.resource`:
-a CPU gone busy, a GPU gone idle) on a host that served the group's locus
-while its slow requests ran is one more place saying the same: it adds what
+five weak streams is still one strong spike. A resource flag
+(:mod:`spikehound.detectors.resource`: a CPU gone busy, a GPU gone idle) on a
+host that served the group's locus while its slow requests ran is one more place saying the same: it adds what
 one request at ``max_surprise`` adds (the engine's ``resource_of``), unless an
 open spike at another place on that host explains it. A CPU
 contention of a few hundred milliseconds on a service of three calls a minute
@@ -399,16 +399,15 @@ class IncidentBook:
             ends = sorted(slow.end_ns for slow in traces.values())
             if ends[-1] - ends[0] < s.min_slow_spread_ns:
                 return None
+            counted = [stream for stream, ids in group.by_stream.items() if not ids.isdisjoint(traces)]
             penalty = 0.0
-            for stream, ids in group.by_stream.items():  # the streams whose slow requests are counted
+            for stream in counted:  # what the normal requests of the streams whose slow ones count took away
                 evidence = evidence_of(stream)
-                if evidence is not None and not ids.isdisjoint(traces):
-                    penalty += evidence.penalty
+                penalty += evidence.penalty if evidence is not None else 0.0
             strength = _once_per_stall(traces.values()) + penalty
             # Each stream whose evidence stood from earlier requests is one more place a stray could have come
             # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
-            standing = sum(1 for stream, ids in group.by_stream.items()
-                           if group.members[stream].standing and not ids.isdisjoint(traces))
+            standing = sum(1 for stream in counted if group.members[stream].standing)
             bar = s.min_evidence + correction + math.log10(1 + standing)
             if strength < bar and resource_of is not None:
                 strength += resource_of(group)
