@@ -75,6 +75,21 @@ def test_normal_requests_after_a_fault_end_it_within_a_few_and_a_fault_rarely_lo
     assert early <= 3
 
 
+def test_normal_requests_that_ended_before_the_faults_slow_ones_do_not_end_its_spike():
+    # Chaos seed 304: a spike opened on three slow calls, then the rest of its first window came in: six normal
+    # calls that had ended before the first slow one. Counted toward the end, they ended it at once, and the
+    # fault's next calls opened a second spike for one fault. They were before the fault, not after it.
+    r = RecoveryEvidence()
+    for end in (45, 49, 49):
+        r.update_one(True, end, 50, ("route",))
+    for end in (35, 35, 36, 39, 42, 42):
+        r.update_one(False, end, 50, ("route",))
+    assert r.value == 0.0 and r.calm_run == 0 and r.requests == 3
+    for end in (55, 58, 61):  # normal calls after the slow ones: the fault is over
+        r.update_one(False, end, 60, ("route",))
+    assert r.value >= DetectionSettings().end_evidence
+
+
 def test_a_calm_busy_window_counts_for_half_the_end_and_an_elevated_one_starts_it_again():
     r = RecoveryEvidence()
     settings = DetectionSettings()

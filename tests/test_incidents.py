@@ -106,13 +106,13 @@ def test_weak_streams_add_up_to_one_strong_spike():
 
 def test_standing_evidence_of_another_route_completes_a_sparse_fault_but_sets_no_onset():
     # A service of a few calls a minute: its fault slowed one call of one route at 30 s, then two of another
-    # at 92 s and 98 s, too close together to be sure alone (one pause could have caught both).
-    fresh, evidence = _group("ts-order", {HOP: [(2, 3.1, 92.0), (3, 3.1, 98.0)]})
+    # that were in flight together (ending at 92 s and 93.5 s, 2 s each): one pause could have caught both.
+    fresh, evidence = _group("ts-order", {HOP: [(2, 3.1, 92.0), (3, 3.1, 93.5)]})
     assert IncidentBook(DetectionSettings()).step([fresh], evidence.get, 10, T0 + 100 * NS) == []
-    both, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 30.0)], HOP: [(2, 3.1, 92.0), (3, 3.1, 98.0)]},
+    both, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 30.0)], HOP: [(2, 3.1, 92.0), (3, 3.1, 93.5)]},
                             standing={ENTRY})
     (event,) = IncidentBook(DetectionSettings()).step([both], evidence.get, 10, T0 + 100 * NS)
-    assert event.kind == "opened" and event.incident.evidence == 9.3
+    assert event.kind == "opened" and event.incident.evidence == 6.2
     # The rise is dated by the streams that turned hot now: a stray among the standing evidence is no onset.
     assert event.incident.start_ns == T0 + 90 * NS
 
@@ -186,6 +186,20 @@ def test_requests_in_flight_together_are_one_stall_whenever_each_ended():
     assert IncidentBook(DetectionSettings()).step([held], evidence.get, streams=10, now_ns=T0 + 60 * NS) == []
     apart, evidence = three(duration_s=2.0)  # the same ends, each in flight alone: three slow requests
     (event,) = IncidentBook(DetectionSettings()).step([apart], evidence.get, streams=10, now_ns=T0 + 60 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 9.3
+
+
+def test_slow_requests_seconds_apart_each_in_flight_alone_are_a_fault_not_a_pause():
+    # Recurrence seed 404's CPU fault on ts-consign-service: three calls of 0.6 s, each slowed on its own, ended
+    # within 7 s of each other. No pause could have held them (none was in flight with another): three slow
+    # requests, found at once instead of on a fourth two minutes later.
+    group, evidence = Group("ts-consign"), {HOP: SequentialEvidence()}
+    j = _judgement(HOP, evidence=9.3)
+    for i, end_s in enumerate((60.6, 63.0, 67.2)):
+        trace, end = bytes([i + 1]) * 16, T0 + int(end_s * NS)
+        evidence[HOP].slow.append(SlowRequest(trace, b"s" * 8, int(0.6 * NS), end, T0, 3.1))
+        group.add(j, trace, 3.1, end, int(0.6 * NS))
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, streams=10, now_ns=T0 + 70 * NS)
     assert event.kind == "opened" and event.incident.evidence == 9.3
 
 

@@ -35,11 +35,12 @@ a spike on its own, nor on one slow request.
 - Both thresholds grow with ``log10`` of the number of streams being judged (a
   Bonferroni correction: at the same per-stream odds, ten times the streams
   would give ten times the false spikes).
-- The slow requests must not all have ended within ``min_slow_spread_ns`` of
-  each other (``min_spread_ns`` for a window test's): a pause of a second or
-  two catches every request in flight at once, which is one stall, not a
-  sustained rise (for a window test, ends of the tail just over the p99
-  elsewhere in the window do not widen a pause: ``stream_judge.slow_spread``).
+- Slow requests that were all in flight at one instant are one stall, however
+  far apart they ended: a pause of a second or three holds every request in
+  flight through it, and the slow requests must be ``min_slow_requests``
+  stalls (a window test's must not all have ended within ``min_spread_ns``:
+  ends of the tail just over the p99 elsewhere in the window do not widen a
+  pause, ``stream_judge.slow_spread``).
 - A group whose locus has an open incident, or most of whose slow traces an
   open incident already counted as its slow requests, extends it: its streams join as
   *affected streams* with their own numbers instead of paging again. The most
@@ -396,15 +397,16 @@ class IncidentBook:
             traces = {t: slow for t, slow in group.traces.items() if t in carry_on}
             if len(traces) < s.min_slow_requests:
                 return None
-            ends = sorted(slow.end_ns for slow in traces.values())
-            if ends[-1] - ends[0] < s.min_slow_spread_ns:
+            stalls = _stalls(traces.values())
+            if len(stalls) < s.min_slow_requests:  # one pause holding several requests is one stall
                 return None
+            ends = sorted(slow.end_ns for slow in traces.values())
             counted = [stream for stream, ids in group.by_stream.items() if not ids.isdisjoint(traces)]
             penalty = 0.0
             for stream in counted:  # what the normal requests of the streams whose slow ones count took away
                 evidence = evidence_of(stream)
                 penalty += evidence.penalty if evidence is not None else 0.0
-            strength = _once_per_stall(traces.values()) + penalty
+            strength = sum(stalls) + penalty
             # Each stream whose evidence stood from earlier requests is one more place a stray could have come
             # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
             standing = sum(1 for stream in counted if group.members[stream].standing)
@@ -498,20 +500,24 @@ def _claim(incident: Incident, traces: Iterable[bytes]) -> None:
         del own[next(iter(own))]
 
 
-def _once_per_stall(traces: Iterable[SlowTrace]) -> float:
-    """The gain of slow traces, those that were all in flight at one instant counted once (the largest).
+def _stalls(traces: Iterable[SlowTrace]) -> list[float]:
+    """The gain of each stall among slow traces: those that were all in flight at one instant are one stall,
+    counted with the largest gain among them.
 
     A pause (a GC, a stalled disk, a dropped link) holds every request in flight through it, and they are all
     in flight at its last moment, however far apart their callers then finish: one stall, however many
-    requests it caught. A fault's slow requests come at the pace of its traffic, each at its own time.
+    requests it caught. A fault's slow requests come at the pace of its traffic, each at its own time, a
+    few seconds apart on a busy route as much as minutes apart on a quiet one.
     """
-    total, best, common_end = 0.0, 0.0, None
+    stalls: list[float] = []
+    common_end: int | None = None
     for t in sorted(traces, key=lambda t: t.start_ns):
         if common_end is not None and t.start_ns < common_end:  # in flight with all the others so far
-            best, common_end = max(best, t.gain), min(common_end, t.end_ns)
+            stalls[-1], common_end = max(stalls[-1], t.gain), min(common_end, t.end_ns)
         else:
-            total, best, common_end = total + best, t.gain, t.end_ns
-    return total + best
+            stalls.append(t.gain)
+            common_end = t.end_ns
+    return stalls
 
 
 def _same_streams(group: Group, near: Iterable[Incident], min_slow_requests: int) -> Incident | None:

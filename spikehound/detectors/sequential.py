@@ -304,6 +304,9 @@ class RecoveryEvidence:
     odds near ``(1 - f) ** 3``. A busy stream's calm window counts ``window_weight`` at once (its window test
     judged dozens of requests), an elevated one as a slow request.
 
+    Only normal requests that ended after the latest slow one move the sum: one that ended before the first
+    came before the fault, one between two tells the fault's share (a spike's first window holds all three).
+
     ``last_slow_ns`` is the end of the window that held the latest slow request: where the spike ended.
 
     >>> r = RecoveryEvidence(last_slow_ns=60)
@@ -332,6 +335,8 @@ class RecoveryEvidence:
     slow: int = 0  # ... of which slow
     calm_run: int = 0  # normal requests since the latest slow one
     last_slow_ns: int = 0
+    first_slow_end_ns: int = 2**63  # when the first slow request ended (read once there is one)
+    last_slow_end_ns: int = 0  # when the latest slow request ended
     first_seen_ns: int | None = None
     last_seen_ns: int | None = None
     # The same three counts per place: [requests to its latest slow one, slow, normal since].
@@ -359,12 +364,22 @@ class RecoveryEvidence:
         """One request: slow or not, when it ended, the end of its window, the places (streams) it went
         through; returns the evidence."""
         p0, f = self.normal_slow, self.share_of(places)
+        # A normal request that ended before a slow one already counted says nothing of the fault being over
+        # (a spike's first window holds both): before the first, it came before the fault and is left out;
+        # between two, it tells how many of its requests the fault slows.
+        if not slow and self.slow and end_ns < self.first_slow_end_ns:
+            return self.value
+        during = not slow and end_ns < self.last_slow_end_ns
         if slow:
             self.requests += self.calm_run + 1
             self.slow += 1
             self.calm_run = 0
             self.value = max(self.value + math.log10(p0 / f), 0.0)
             self.last_slow_ns = max(self.last_slow_ns, window_end_ns)
+            self.last_slow_end_ns = max(self.last_slow_end_ns, end_ns)
+            self.first_slow_end_ns = min(self.first_slow_end_ns, end_ns)
+        elif during:
+            self.requests += 1
         else:
             self.calm_run += 1
             self.value += math.log10((1 - p0) / (1 - f))
@@ -374,6 +389,8 @@ class RecoveryEvidence:
                 counts[0] += counts[2] + 1
                 counts[1] += 1
                 counts[2] = 0
+            elif during:
+                counts[0] += 1
             else:
                 counts[2] += 1
         if self.first_seen_ns is None:
