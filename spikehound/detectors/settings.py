@@ -60,7 +60,7 @@ class DetectionSettings:
     recurrence_ns: int = 3600 * NS  # a spike at the same place within this of an earlier one's end is its return
     # Incidents (see spikehound.detectors.incidents); both thresholds grow with log10(streams judged / 10).
     min_evidence: float = 4.0  # sequential evidence of a group that opens a spike
-    min_slow_requests: int = 2  # ... over at least this many distinct slow traces
+    min_slow_requests: int = 2  # ... over at least this many stalls (slow traces all in flight at one instant: one)
     min_spread_ns: int = 2 * NS  # the same for a window whose window test fired (at most a fifth of a window)
     # Attribution (see spikehound.detectors.attribution).
     trace_buffer_spans: int = 200_000
