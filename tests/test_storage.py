@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 from sqlalchemy import Engine, select, text
 
+from spikehound.heap import configure_malloc, heap_used_and_free_bytes
 from spikehound.model import (
     AffectedStream,
     Span,
@@ -21,8 +22,8 @@ from spikehound.model import (
     StatusCode,
 )
 from spikehound.otlp import count_items, decode_spans, encode_span, encode_spans, set_any_value
+from spikehound.storage import checkpoints, retention
 from spikehound.storage import reader as reader_module
-from spikehound.storage import retention
 from spikehound.storage.engine import make_engine
 from spikehound.storage.migrate import current_revision, head_revision, upgrade
 from spikehound.storage.reader import HostSummary, MetricSeries, Reader, count_rows
@@ -83,6 +84,29 @@ def test_span_blocks_large_enough_to_compress_are_stored_with_lz4_on_postgresql(
                 "SELECT pg_column_compression(payload), pg_column_size(payload), length(payload) "
                 "FROM span_blocks")).one()
         assert (method, stored < encoded / 2) == ("lz4", True)
+    finally:
+        eng.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not configure_malloc(), reason="glibc's malloc only")
+def test_checkpoints_written_on_postgresql_leave_no_pooled_connection_holding_their_size(pg_url):
+    # libpq keeps a connection's send buffer at the largest message it sent. A soak's collector wrote its
+    # 15-30 MB checkpoint every minute through whichever pooled connection was free, and each kept 16 or 32 MiB.
+    eng = make_engine(pg_url)
+    held: list[Any] = []
+    try:
+        upgrade(eng)
+        state = bytes(range(256)) * (15 * 2**12)  # 15 MiB
+        before, _ = heap_used_and_free_bytes()
+        for _ in range(3):
+            checkpoints.save(eng, "detection", 1, state)
+            held.append(eng.connect())  # busy elsewhere (the writer, a page): the next one goes another way
+        for conn in held:
+            conn.close()
+        grown = heap_used_and_free_bytes()[0] - before
+        assert checkpoints.load(eng, "detection").state == state
+        assert grown < 12 * 2**20  # three connections holding 16 MiB each, before
     finally:
         eng.dispose()
 

@@ -443,5 +443,5 @@ class ProcessDetection:
         return checkpoints.position(self.engine), self._child.ask("snapshot")
 
     def _save(self, state: bytes, position: tuple[int, int]) -> None:
-        with self.engine.begin() as conn:
+        with checkpoints.writing(self.engine) as conn:
             checkpoints.save_on(conn, CHECKPOINT_NAME, CHECKPOINT_FORMAT, state, *position)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, func, select
@@ -26,7 +27,7 @@ from sqlalchemy import Connection, Engine, func, select
 from spikehound.storage import schema
 from spikehound.storage.writer import upsert
 
-__all__ = ["Checkpoint", "latest_block_id", "load", "position", "save", "save_on"]
+__all__ = ["Checkpoint", "latest_block_id", "load", "position", "save", "save_on", "writing"]
 
 
 class Checkpoint(NamedTuple):
@@ -56,8 +57,24 @@ def save(engine: Engine, name: str, fmt: int, state: bytes, now_s: int | None = 
     Call it between commits (the collector does, on its writer thread) so that the position fits the state.
     """
     block, second = position(engine)
-    with engine.begin() as conn:
+    with writing(engine) as conn:
         save_on(conn, name, fmt, state, block, second, now_s)
+
+
+@contextlib.contextmanager
+def writing(engine: Engine) -> Iterator[Connection]:
+    """A connection in a transaction to write a checkpoint on; on PostgreSQL it is closed after, not pooled.
+
+    libpq keeps a connection's send buffer as large as the largest message it ever sent: a pooled connection
+    that wrote a checkpoint of 15-30 MB would hold 16 or 32 MiB for good, and the pool hands each write to
+    the next connection, so that within minutes every one of them would (a soak's collector grew by 130 MB
+    over an hour so). A fresh connection per checkpoint, every minute, costs a few milliseconds.
+    """
+    with engine.connect() as conn:
+        with conn.begin():
+            yield conn
+        if conn.dialect.name == "postgresql":
+            conn.invalidate()
 
 
 def save_on(conn: Connection, name: str, fmt: int, state: bytes, span_block_id: int | None,

@@ -59,7 +59,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "NORMAL") -> Engine:
         # A server that stops answering (a partition, not a refusal) must fail a write within half a minute, not
         # hang the writer: the collector then tells senders to retry and tries again (collector/storage_health.py).
         given = {k: v for k, v in PG_TIMEOUTS.items() if k not in parsed.query}  # the URL's own settings win
-        engine = create_engine(url, pool_size=8, max_overflow=4, connect_args=given)
+        # Last in, first out: the writer takes back the connection it just gave back, and the others stay idle
+        # for the API's bursts. libpq keeps each connection's send buffer at the largest batch it ever sent;
+        # handed round the pool, every batch would leave every connection holding its size.
+        engine = create_engine(url, pool_size=8, max_overflow=4, pool_use_lifo=True, connect_args=given)
         _ping_when_idle(engine)
         return engine
     if parsed.database and parsed.database != ":memory:":
