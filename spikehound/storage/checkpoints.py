@@ -67,8 +67,8 @@ def writing(engine: Engine) -> Iterator[Connection]:
 
     libpq keeps a connection's send buffer as large as the largest message it ever sent: a pooled connection
     that wrote a checkpoint of 15-30 MB would hold 16 or 32 MiB for good, and the pool hands each write to
-    the next connection, so that within minutes every one of them would (a soak's collector grew by 130 MB
-    over an hour so). A fresh connection per checkpoint, every minute, costs a few milliseconds.
+    the next connection, so that within minutes every one of them would (a soak's collector process grew
+    130 MB in an hour this way). A fresh connection per checkpoint, once a minute, costs a few milliseconds.
     """
     with engine.connect() as conn:
         with conn.begin():
