@@ -20,7 +20,7 @@ streams' window test fires (``min_score``, corrected as below), or the
 sequential evidence of its slow requests, each trace counted once however many
 of the group's streams it slowed, less what the normal requests of those
 streams took away, reaches ``min_evidence`` over at least
-``min_slow_requests`` distinct traces: those of its latest run, and the
+``min_slow_requests`` stalls (below): the slow traces of its latest run, and the
 earlier ones of the streams that carry on (in the run, or standing); a stream
 that had normal calls since its only slow one had its say. A spike carried by
 five weak streams is still one strong spike. A resource flag
@@ -400,7 +400,6 @@ class IncidentBook:
             stalls = _stalls(traces.values())
             if len(stalls) < s.min_slow_requests:  # one pause holding several requests is one stall
                 return None
-            ends = sorted(slow.end_ns for slow in traces.values())
             counted = [stream for stream, ids in group.by_stream.items() if not ids.isdisjoint(traces)]
             penalty = 0.0
             for stream in counted:  # what the normal requests of the streams whose slow ones count took away
