@@ -77,6 +77,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     axes[0].plot(minutes, [(r["collector"] or {}).get("rss_mb") for r in rows], label="collector (RSS, both processes)")
     axes[0].plot(minutes, [(r["collector"] or {}).get("pss_mb") for r in rows], label="collector (PSS)")
     axes[0].plot(minutes, [(r["collector"] or {}).get("main_rss_mb") for r in rows], label="collector process")
+    axes[0].plot(minutes, [(r["collector"] or {}).get("detect_rss_mb") for r in rows], label="its detection process")
     for i in range(len(rows[0]["agents"]) if rows else 0):
         axes[0].plot(minutes, [(r["agents"][i] or {}).get("rss_mb") for r in rows], label=f"agent {i + 1}")
     axes[0].set_ylabel("memory (MB)")
@@ -117,7 +118,8 @@ def print_summary(r: dict[str, Any]) -> None:
         return
     keys = ("event_hours", "acked_spans", "canaries", "collector_lives", "rss_slope_mb_per_h", "pss_slope_mb_per_h",
             "collector_process_rss_slope_mb_per_h", "collector_process_rss_trend",
-            "collector_process_slope_by_kind_mb_per_h", "collector_pss_mb_by_life", "collector_rss_mb_max",
+            "collector_process_slope_by_kind_mb_per_h", "detection_process_rss_trend",
+            "detection_process_slope_by_kind_mb_per_h", "collector_pss_mb_by_life", "collector_rss_mb_max",
             "collector_fds", "agent_fds", "db_mb_band", "api_p99_ms", "page_p99_ms", "faults", "found", "top1",
             "recall_per_6h", "spikes_per_fault", "false_by_reason", "spikes_paged", "sender_max_lag_s",
             "late_span_share", "spans", "engine_us_per_span", "state_mb_by_hour", "rss_mb_by_hour")

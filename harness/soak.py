@@ -128,6 +128,9 @@ def process_figures(pid: int | None, last: dict[int, tuple[float, float]]) -> di
                 if p is root:
                     figures["main_rss_mb"] = memory.rss / 2**20
                     figures.update({f"main_{k}_mb": v for k, v in memory_by_kind(p.pid).items()})
+                elif p.ppid() == pid and "detect_rss_mb" not in figures:  # its detection process
+                    figures["detect_rss_mb"] = memory.rss / 2**20
+                    figures.update({f"detect_{k}_mb": v for k, v in memory_by_kind(p.pid).items()})
                 figures["fds"] += p.num_fds()
                 figures["threads"] += p.num_threads()
                 figures["cpu"] += (used - before[0]) / (now - before[1]) if before and now > before[1] else 0.0
@@ -636,13 +639,14 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             time.sleep(2)
         self.log(f"[{self.storage}] not settled after {timeout:.0f} s")
 
-    def trend(self, hour: float) -> dict[str, Any]:
-        """The collector's own RSS after ``hour``: the samples' slope with its standard error, and the 10-minute
-        medians (of the whole run) with their slope, which the samples' swings do not move."""
-        own = [s for s in settled_samples(self.samples) if s.get("collector") and "main_rss_mb" in s["collector"]]
-        fit = pooled_fit((s["wall_s"] / 3600, s["collector"]["main_rss_mb"], s["life"]) for s in own
+    def trend(self, hour: float, figure: str = "main_rss_mb") -> dict[str, Any]:
+        """One of the collector's processes' RSS after ``hour`` (its own, ``main_rss_mb``, or its detection
+        process's, ``detect_rss_mb``): the samples' slope with its standard error, and the 10-minute medians (of
+        the whole run) with their slope, which the samples' swings do not move."""
+        own = [s for s in settled_samples(self.samples) if s.get("collector") and figure in s["collector"]]
+        fit = pooled_fit((s["wall_s"] / 3600, s["collector"][figure], s["life"]) for s in own
                          if s["wall_s"] >= hour)
-        medians = medians_by(own, lambda s: s["collector"]["main_rss_mb"])
+        medians = medians_by(own, lambda s: s["collector"][figure])
         later = [(minute / 60, mb, 0) for minute, mb in medians if minute * 60 >= hour]
         return {"slope_mb_per_h": fit[0] if fit else None, "standard_error_mb_per_h": fit[1] if fit else None,
                 "medians_slope_mb_per_h": pooled_slope(later) if self.lives == 1 else None,
@@ -686,8 +690,13 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                                       for i in range(len(self.agents))}},
             "collector_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "main_rss_mb"),
             "collector_process_rss_trend": self.trend(hour),
+            "detection_process_rss_trend": self.trend(hour, "detect_rss_mb"),
             "collector_process_slope_by_kind_mb_per_h": {
                 kind: slope(lambda s: s["collector"], True, f"main_{kind}_mb")
+                for kind in MEMORY_KINDS},
+            "detection_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "detect_rss_mb"),
+            "detection_process_slope_by_kind_mb_per_h": {
+                kind: slope(lambda s: s["collector"], True, f"detect_{kind}_mb")
                 for kind in MEMORY_KINDS},
             "collector_process_slope_by_allocator_mb_per_h": {
                 kind: slope(lambda s: s.get("heap_mb"), True, kind) for kind in (*HEAP_KINDS, "python_kblocks")},

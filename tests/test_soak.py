@@ -40,6 +40,10 @@ def test_two_minutes_of_soak_lose_nothing_leak_no_descriptor_and_find_the_fault(
     own = [s["collector"] for s in result["samples"] if s.get("collector") and "main_files_mb" in s["collector"]]
     off = sorted(abs(sum(c[f"main_{kind}_mb"] for kind in MEMORY_KINDS) / c["main_rss_mb"] - 1) for c in own)
     assert own and off[len(off) // 2] < 0.1, (off, own[-1:])
+    # So is its detection process's (the forked child, where the detectors' state lives).
+    child = [s["collector"] for s in result["samples"] if s.get("collector") and "detect_files_mb" in s["collector"]]
+    off = sorted(abs(sum(c[f"detect_{kind}_mb"] for kind in MEMORY_KINDS) / c["detect_rss_mb"] - 1) for c in child)
+    assert child and off[len(off) // 2] < 0.1, (off, child[-1:])
     # ... and by allocator, from the collector's own gauges: SQLite's page caches are there on SQLite, and
     # inside what malloc has in use; Python's objects are counted.
     heaps = [s["heap_mb"] for s in result["samples"] if s.get("heap_mb")]
