@@ -117,6 +117,34 @@ def test_standing_evidence_of_another_route_completes_a_sparse_fault_but_sets_no
     assert event.incident.start_ns == T0 + 90 * NS
 
 
+def test_standing_evidence_that_normal_calls_through_its_place_tested_since_opens_nothing():
+    # The soak's false spike in a load drop: a lone stall on one route into ts-order at 30 s, a route with no
+    # call since, and 46 s later a lone stall on another route into it. Met, they were a spike. But the second
+    # route had six normal calls through ts-order in between: a fault there would have slowed them.
+    def stalls(calm_ends_s: list[float]) -> tuple[Group, dict[StreamKey, SequentialEvidence]]:
+        group, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 30.0)], HOP: [(2, 3.1, 76.0)]}, standing={ENTRY})
+        for end_s in calm_ends_s:
+            evidence[HOP]._calm(T0 + int(end_s * NS), -0.45)  # normal: its sum stood at zero
+        return group, evidence
+
+    group, evidence = stalls([])
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 80 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 6.2
+    group, evidence = stalls([40.0, 45.0, 50.0, 60.0, 65.0, 70.0])
+    assert IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 80 * NS) == []
+    # Calls before the first stall tested nothing it said.
+    group, evidence = stalls([5.0, 10.0, 15.0, 20.0, 25.0, 28.0])
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 80 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 6.2
+    # And they take away the standing evidence only, never what the fresh streams say on their own.
+    group, evidence = _group("ts-order", {ENTRY: [(1, 3.1, 30.0)], HOP: [(2, 3.1, 74.0), (3, 3.1, 76.0)]},
+                             standing={ENTRY})
+    for end_s in range(35, 75, 5):  # eight: 3.6 taken away from 9.3, where the fresh streams alone say 6.2
+        evidence[HOP]._calm(T0 + int(end_s * NS), -0.45)
+    (event,) = IncidentBook(DetectionSettings()).step([group], evidence.get, 10, T0 + 80 * NS)
+    assert event.kind == "opened" and event.incident.evidence == 6.2
+
+
 def test_a_stream_that_turned_hot_on_one_old_stray_does_not_date_a_fault_whose_evidence_stood():
     # The fault's calls at 160-175 s built evidence on two streams before this window; the stream that turned
     # hot now did so on its only slow call, a stall at 60 s. The spike begins with the fault's run.

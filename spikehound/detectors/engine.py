@@ -44,7 +44,7 @@ from spikehound.model import AffectedStream, Cause, CauseKind, LatencyWindow, Me
 __all__ = ["CHECKPOINT_FORMAT", "Detection", "DetectionEngine"]
 
 # Bump when the pickled state's layout changes: an older checkpoint is then ignored, not misread.
-CHECKPOINT_FORMAT = 7
+CHECKPOINT_FORMAT = 8
 MAX_AFFECTED = 50  # streams a spike lists (the most user-facing first): an outage of the gateway moves them all
 _WALK_BUDGET = 50_000  # spans the critical paths of one trace may visit in one step, all its streams together
 _BREAKDOWN_CACHE = 4096  # critical-path breakdowns kept for streams whose evidence builds over several windows

@@ -22,7 +22,9 @@ of the group's streams it slowed, less what the normal requests of those
 streams took away, reaches ``min_evidence`` over at least
 ``min_slow_requests`` stalls (below): the slow traces of its latest run, and the
 earlier ones of the streams that carry on (in the run, or standing); a stream
-that had normal calls since its only slow one had its say. A spike carried by
+that had normal calls since its only slow one had its say, and standing
+evidence is worth what the normal calls of the group's other streams since
+left of it. A spike carried by
 five weak streams is still one strong spike. A resource flag
 (:mod:`spikehound.detectors.resource`: a CPU gone busy, a GPU gone idle) on a
 host that served the group's locus while its slow requests ran is one more place saying the same: it adds what
@@ -406,10 +408,12 @@ class IncidentBook:
                 evidence = evidence_of(stream)
                 penalty += evidence.penalty if evidence is not None else 0.0
             strength = sum(stalls) + penalty
+            standing = [stream for stream in counted if group.members[stream].standing]
+            if standing:
+                strength = _tested_since(group, traces, counted, standing, evidence_of, strength)
             # Each stream whose evidence stood from earlier requests is one more place a stray could have come
             # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
-            standing = sum(1 for stream in counted if group.members[stream].standing)
-            bar = s.min_evidence + correction + math.log10(1 + standing)
+            bar = s.min_evidence + correction + math.log10(1 + len(standing))
             if strength < bar and resource_of is not None:
                 strength += resource_of(group)
             if strength < bar:
@@ -497,6 +501,33 @@ def _claim(incident: Incident, traces: Iterable[bytes]) -> None:
         own[trace_id] = None
     while len(own) > MAX_SEEN_TRACES:
         del own[next(iter(own))]
+
+
+def _tested_since(group: Group, traces: dict[bytes, SlowTrace], counted: list[StreamKey],
+                  standing: list[StreamKey], evidence_of: Callable[[StreamKey], SequentialEvidence | None],
+                  strength: float) -> float:
+    """``strength`` less what the normal requests of the group's other streams took away after the standing
+    evidence's slow requests, down to what those other streams say alone.
+
+    Standing evidence waited, untested on its own stream (a route with no call since). Its place was not
+    untested: a fault there would have slowed the calls that went through it on the other streams meanwhile.
+    Two lone stalls 46 s apart on two routes into one service, in a load drop, and a dozen normal calls on the
+    second route between them, are not a fault; a fault that slows every call through its service leaves no
+    normal call between its slow ones. The streams' own evidence cleared those calls (its sum stood at zero),
+    so they are counted here, each once, from each stream's latest calm calls (``CALM_KEPT``).
+    """
+    since = min(max(group.traces[t].end_ns for t in group.by_stream[stream] if t in traces) for stream in standing)
+    tested = 0.0
+    for stream in counted:
+        if stream not in standing and (evidence := evidence_of(stream)) is not None:
+            tested += evidence.calm_after(since)
+    if tested == 0.0:
+        return strength
+    fresh = {t: traces[t] for stream in counted if stream not in standing for t in group.by_stream[stream]
+             if t in traces}
+    alone = sum(_stalls(fresh.values())) + sum(e.penalty for stream in counted if stream not in standing
+                                               if (e := evidence_of(stream)) is not None)
+    return max(strength + tested, min(alone, strength))
 
 
 def _stalls(traces: Iterable[SlowTrace]) -> list[float]:

@@ -56,6 +56,7 @@ __all__ = ["RecoveryEvidence", "SequentialEvidence", "SlowRequest", "TailSurpris
 _LN10 = math.log(10.0)
 _Z90 = 1.2816  # the standard normal's 90th percentile: (ln p90 - ln p50) / _Z90 is a log-scale spread
 _VECTOR_MIN = 32  # from this many requests a window is scored with NumPy
+CALM_KEPT = 8  # normal requests kept per stream to test other streams' evidence: 8 take away about 4 digits
 
 
 class TailSurprise(base.AnomalyDetector):
@@ -214,6 +215,10 @@ class SequentialEvidence:
     penalty: float = 0.0  # what the not-slow requests of the excursion took away (<= 0)
     windows: list[tuple[int, float, int]] = field(default_factory=list)  # (window start, its gain, slow ones)
     calm_run: int = 0  # the latest requests in a row that were not slow
+    # The latest normal requests that found the sum at zero (their ends and what each would have taken away):
+    # they test what another stream of the same place said before them (incidents.py, "Tested since").
+    calm_ends: array = field(default_factory=lambda: array("q"))
+    calm_gains: array = field(default_factory=lambda: array("d"))
 
     def update(self, window_start_ns: int, scored: Sequence[tuple[float, Sample]]) -> None:
         """Add one window's requests, (surprise, sample) in end-time order."""
@@ -224,6 +229,18 @@ class SequentialEvidence:
             return
         for surprise, sample in scored:
             self._add(window_start_ns, surprise, sample)
+
+    def calm_after(self, end_ns: int) -> float:
+        """What the normal requests that ended after ``end_ns`` and found the sum at zero took away (<= 0; the
+        latest ``CALM_KEPT`` of them)."""
+        return sum(g for e, g in zip(self.calm_ends, self.calm_gains, strict=True) if e > end_ns)
+
+    def _calm(self, end_ns: int, gain: float) -> None:
+        self.calm_ends.append(end_ns)
+        self.calm_gains.append(min(gain, 0.0))
+        if len(self.calm_ends) > CALM_KEPT:
+            del self.calm_ends[0]
+            del self.calm_gains[0]
 
     def reset(self) -> None:
         self.value = 0.0
@@ -248,6 +265,7 @@ class SequentialEvidence:
         if self.value + gain <= 0.0:
             self.reset()
             self.calm_run += 1
+            self._calm(sample[3], gain)
             return
         self.value += gain
         slow = surprise >= self.slow_surprise
@@ -280,6 +298,8 @@ class SequentialEvidence:
         if zeros.size:
             self.reset()
             first = int(zeros[-1]) + 1
+            for i in range(max(first - CALM_KEPT, 0), first):
+                self._calm(scored[i][1][3], float(gains[i]))
         for i in range(first, len(scored)):
             self._add(window_start_ns, scored[i][0], scored[i][1])
         slow = [i for i, (surprise, _) in enumerate(scored) if surprise >= self.slow_surprise]
