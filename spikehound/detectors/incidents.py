@@ -511,10 +511,11 @@ def _tested_since(group: Group, traces: dict[bytes, SlowTrace], counted: list[St
 
     Standing evidence waited, untested on its own stream (a route with no call since). Its place was not
     untested: a fault there would have slowed the calls that went through it on the other streams meanwhile.
-    Two lone stalls 46 s apart on two routes into one service, in a load drop, and a dozen normal calls on the
-    second route between them, are not a fault; a fault that slows every call through its service leaves no
-    normal call between its slow ones. The streams' own evidence cleared those calls (its sum stood at zero),
-    so they are counted here, each once, from each stream's latest calm calls (``CALM_KEPT``).
+    Two lone stalls 46 s apart on two routes into one service, in a load drop, with normal calls on the second
+    route between them, are not a fault; a fault that slows every call through its service leaves no normal
+    call between its slow ones. The streams' own evidence cleared those calls (its sum stood at zero), so they
+    are counted here, from each stream's latest calm calls (``CALM_KEPT``), per stream as the penalty of their
+    excursions is.
     """
     since = min(max(group.traces[t].end_ns for t in group.by_stream[stream] if t in traces) for stream in standing)
     tested = 0.0
@@ -525,8 +526,8 @@ def _tested_since(group: Group, traces: dict[bytes, SlowTrace], counted: list[St
         return strength
     fresh = {t: traces[t] for stream in counted if stream not in standing for t in group.by_stream[stream]
              if t in traces}
-    alone = sum(_stalls(fresh.values())) + sum(e.penalty for stream in counted if stream not in standing
-                                               if (e := evidence_of(stream)) is not None)
+    alone = sum(_stalls(fresh.values())) + sum(e.penalty for stream in counted
+                                               if stream not in standing and (e := evidence_of(stream)) is not None)
     return max(strength + tested, min(alone, strength))
 
 
