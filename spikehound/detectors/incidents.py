@@ -403,14 +403,12 @@ class IncidentBook:
             if len(stalls) < s.min_slow_requests:  # one pause holding several requests is one stall
                 return None
             counted = [stream for stream, ids in group.by_stream.items() if not ids.isdisjoint(traces)]
-            penalty = 0.0
-            for stream in counted:  # what the normal requests of the streams whose slow ones count took away
-                evidence = evidence_of(stream)
-                penalty += evidence.penalty if evidence is not None else 0.0
-            strength = sum(stalls) + penalty
+            # What the normal requests of the streams whose slow ones count took away, per stream.
+            penalties = {stream: e.penalty if (e := evidence_of(stream)) is not None else 0.0 for stream in counted}
+            strength = sum(stalls) + sum(penalties.values())
             standing = [stream for stream in counted if group.members[stream].standing]
             if standing:
-                strength = _tested_since(group, traces, counted, standing, evidence_of, strength)
+                strength = _tested_since(group, traces, penalties, standing, evidence_of, strength)
             # Each stream whose evidence stood from earlier requests is one more place a stray could have come
             # from to meet this window's: a Bonferroni term for looking back, as for the streams judged.
             bar = s.min_evidence + correction + math.log10(1 + len(standing))
@@ -503,7 +501,7 @@ def _claim(incident: Incident, traces: Iterable[bytes]) -> None:
         del own[next(iter(own))]
 
 
-def _tested_since(group: Group, traces: dict[bytes, SlowTrace], counted: list[StreamKey],
+def _tested_since(group: Group, traces: dict[bytes, SlowTrace], penalties: dict[StreamKey, float],
                   standing: list[StreamKey], evidence_of: Callable[[StreamKey], SequentialEvidence | None],
                   strength: float) -> float:
     """``strength`` less what the normal requests of the group's other streams took away after the standing
@@ -518,16 +516,12 @@ def _tested_since(group: Group, traces: dict[bytes, SlowTrace], counted: list[St
     excursions is.
     """
     since = min(max(group.traces[t].end_ns for t in group.by_stream[stream] if t in traces) for stream in standing)
-    tested = 0.0
-    for stream in counted:
-        if stream not in standing and (evidence := evidence_of(stream)) is not None:
-            tested += evidence.calm_after(since)
+    others = [stream for stream in penalties if stream not in standing]  # the counted streams not standing
+    tested = sum(e.calm_after(since) for stream in others if (e := evidence_of(stream)) is not None)
     if tested == 0.0:
         return strength
-    fresh = {t: traces[t] for stream in counted if stream not in standing for t in group.by_stream[stream]
-             if t in traces}
-    alone = sum(_stalls(fresh.values())) + sum(e.penalty for stream in counted
-                                               if stream not in standing and (e := evidence_of(stream)) is not None)
+    fresh = {t: traces[t] for stream in others for t in group.by_stream[stream] if t in traces}
+    alone = sum(_stalls(fresh.values())) + sum(penalties[stream] for stream in others)
     return max(strength + tested, min(alone, strength))
 
 
