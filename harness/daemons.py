@@ -19,7 +19,7 @@ import requests
 
 from harness.api_client import list_spikes
 from harness.ports import free_port
-from harness.scrape import Samples, scrape, total
+from harness.scrape import Samples, parse, sample, scrape, total
 from harness.waiting import eventually
 from spikehound.config import Config, load
 
@@ -72,7 +72,11 @@ class CollectorThread:
         return f"http://127.0.0.1:{self.collector.http_port}"
 
     def metric(self, name: str, **labels: str) -> float:
-        value = self.collector.telemetry.registry.get_sample_value(name, labels)
+        """The sample called ``name`` with exactly ``labels``, as ``/metrics`` would show it; 0 when there is none."""
+        telemetry = self.collector.telemetry
+        value = telemetry.registry.get_sample_value(name, labels)
+        if value is None and telemetry.expositions:  # the span metrics, written as text
+            value = sample(parse(b"".join(part() for part in telemetry.expositions).decode()), name, **labels)
         return value or 0.0
 
     def detection_settled(self) -> bool:

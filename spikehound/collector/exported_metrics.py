@@ -32,7 +32,7 @@ def install_exported_metrics(cfg: Config, pipeline: IngestPipeline, telemetry: C
             detection.count_spans(spans)  # in the detection process, which decodes every committed span anyway
         else:
             pipeline.commit_hooks.add(spans.add)
-        telemetry.registry.register(spans)
+        telemetry.expositions.append(spans.exposition)
     resources = ResourceMetrics(RESOURCE_MAX_SERIES)
     pipeline.commit_hooks.add(resources.add)
     telemetry.registry.register(resources)

@@ -7,7 +7,9 @@ base units (seconds, items).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class CollectorTelemetry:
@@ -15,6 +17,9 @@ class CollectorTelemetry:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Families written in the text format by their owner, after the registry's (the span metrics: too
+        # many samples to build as prometheus_client's objects at every scrape; see SpanMetrics.exposition).
+        self.expositions: list[Callable[[], bytes]] = []
         r = self.registry
         self.received = Counter("spikehound_ingest_received",
                                 "Spans, metric points or profile samples received, before validation.",
@@ -96,3 +101,7 @@ class CollectorTelemetry:
         self.stored_metric_points = Gauge("spikehound_storage_metric_points",
                                           "Stored metric points, as retention last measured "
                                           "(storage.metric_retention_max_points caps it).", registry=r)
+
+    def exposition(self) -> bytes:
+        """What ``/metrics`` serves: the registry's families, then the ``expositions``'."""
+        return generate_latest(self.registry) + b"".join(part() for part in self.expositions)

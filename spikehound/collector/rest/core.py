@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from spikehound.collector.rest.common import (
     ENCODED_SPIKES,
@@ -71,7 +71,7 @@ async def readyz(request: web.Request) -> web.Response:
 @ROUTES.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     # Off the event loop: span metrics can be tens of thousands of samples, and the spike metrics query storage.
-    body = await run_blocking(request.app[EXECUTOR], generate_latest, request.app[TELEMETRY].registry)
+    body = await run_blocking(request.app[EXECUTOR], request.app[TELEMETRY].exposition)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
