@@ -91,7 +91,7 @@ def fill(db_url: str, spans: int, seed: int = SEED) -> tuple[int, int, int]:
         written += len(trace[: spans - written])
         while len(pending) >= BLOCK or (written == spans and pending):
             block, pending = pending[:BLOCK], pending[BLOCK:]
-            writer.write(WriteBatch(spans=block, blocks=[SpanBlock(encode_spans(block).SerializeToString(), block)]))
+            writer.write(WriteBatch(spans=block, blocks=[SpanBlock.of(encode_spans(block).SerializeToString(), block)]))
     engine.dispose()
     return since, until, roots
 

@@ -73,7 +73,7 @@ def fill(writer: Writer, rng: random.Random, blocks: int, points: int, arrived_s
                                     attributes={"hw.id": f"GPU-{i % 8}"}, time_unix_nano=t0 + (b * per_batch + i) * S,
                                     value=rng.random(), kind=MetricKind.GAUGE, unit="1") for i in range(per_batch)]
         writer.write(WriteBatch(spans=spans, points=batch_points,
-                                blocks=[SpanBlock(encode_spans(spans).SerializeToString(), spans)]),
+                                blocks=[SpanBlock.of(encode_spans(spans).SerializeToString(), spans)]),
                      now_ns=(arrived_s + b) * S)
 
 

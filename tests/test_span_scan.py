@@ -45,8 +45,8 @@ def test_the_range_query_reads_blocks_by_event_time_and_serves_a_retried_block_o
     late = request(2, T0 + 100 * S)
     payload = block(late)
     writer.write(WriteBatch(spans=early), now_ns=T0 + 11 * S)
-    writer.write(WriteBatch(spans=late, blocks=[SpanBlock(payload, late)]), now_ns=T0 + 101 * S)
-    writer.write(WriteBatch(spans=late, blocks=[SpanBlock(payload, late)]), now_ns=T0 + 102 * S)  # a retry
+    writer.write(WriteBatch(spans=late, blocks=[SpanBlock.of(payload, late)]), now_ns=T0 + 101 * S)
+    writer.write(WriteBatch(spans=late, blocks=[SpanBlock.of(payload, late)]), now_ns=T0 + 102 * S)  # a retry
     # Stamped two hours ahead of its arrival (a sender's clock, or a replayed capture): found by event time.
     writer.write(WriteBatch(spans=request(3, T0 + 7300 * S)), now_ns=T0 + 50 * S)
     reader = Reader(engine)

@@ -201,8 +201,8 @@ def test_a_request_is_stored_as_received_minus_its_rejected_spans(engine):
     assert (len(partial.spans), partial.rejected) == (3, 1)
 
     Writer(engine).write(WriteBatch(spans=whole.spans + partial.spans,
-                                    blocks=[SpanBlock(whole.payload, whole.spans),
-                                            SpanBlock(partial.payload, partial.spans)]), now_ns=NOW)
+                                    blocks=[SpanBlock.of(whole.payload, whole.spans),
+                                            SpanBlock.of(partial.payload, partial.spans)]), now_ns=NOW)
 
     (first, n1), (second, n2) = [(payload, n) for n, payload in stored_blocks(engine)]
     assert (first, n1) == (body, 2)
@@ -222,8 +222,8 @@ def test_a_retried_batch_is_served_once(engine):
     Writer(engine).write(batch, now_ns=NOW + 2 * S)  # ... to a restarted collector, with empty caches
     # ... and once more inside one batch, next to the rest of its trace that came in another request
     late = make_span(1, 3, 2, name="forward", start=T0 + MS)
-    again = SpanBlock(stored_blocks(engine)[0][1], spans)
-    late_block = SpanBlock(encode_spans([late]).SerializeToString(), [late])
+    again = SpanBlock.of(stored_blocks(engine)[0][1], spans)
+    late_block = SpanBlock.of(encode_spans([late]).SerializeToString(), [late])
     writer.write(WriteBatch(spans=[*spans, late], blocks=[again, again, late_block]), now_ns=NOW + 3 * S)
 
     reader = Reader(engine)

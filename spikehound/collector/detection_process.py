@@ -217,6 +217,8 @@ class ProcessDetection:
     message to the child is sent from the writer thread, so the child sees them in commit order.
     """
 
+    reads_spans = False  # the child decodes the stored blocks; the receivers keep no decoded span for it
+
     def __init__(self, settings: DriverSettings, url: str, sqlite_synchronous: str, engine: Engine,
                  writer_thread: WriterThread, health: StorageHealth, telemetry: CollectorTelemetry, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -334,21 +336,21 @@ class ProcessDetection:
 
     def committed(self, batch: WriteBatch) -> None:
         """On the writer thread, right after ``batch`` committed: hand its blocks to the child; never raises."""
-        if not batch.spans and not batch.points:
+        if not batch.span_count and not batch.points:
             return
+        payloads = ([block.payload for block in batch.blocks] if batch.blocks or not batch.spans
+                    else [encode_spans(batch.spans).SerializeToString()])
         child = self._child
         if child is not None and child.alive:
-            payloads = ([block.payload for block in batch.blocks] if batch.blocks or not batch.spans
-                        else [encode_spans(batch.spans).SerializeToString()])
             size = sum(map(len, payloads)) + POINT_BYTES * len(batch.points)
             if child.send(("feed", payloads, list(batch.points)), size, payloads):
                 return
         # A dead child's replacement replays this batch from storage for the detectors, but counts no span of it.
-        if self.span_metrics is not None:
-            self.span_metrics.add(batch)
+        self._count_blocks(payloads)
 
     def _count_blocks(self, blocks: list[bytes]) -> None:
-        """On the answers' thread: the spans of a feed that a dead child never answered."""
+        """The spans of a feed that a dead child never answered (on the answers' thread), or of a commit with no
+        child to take it (on the writer thread)."""
         if self.span_metrics is not None:
             self.span_metrics.add(WriteBatch(spans=[s for block in blocks for s in spans_of_block(block)]))
 

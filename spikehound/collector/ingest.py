@@ -185,11 +185,14 @@ class Ingest:
             if decoded.rejected:
                 raise InvalidPayload(decoded.error_message)
             return Accepted(0, "")
+        accepted = decoded.accepted
         try:
             submission = self.queue.offer(decoded.spans, decoded.points, decoded.payload)
         except QueueFull as exc:
-            t.dropped.labels(signal, "queue_full").inc(decoded.accepted)
+            t.dropped.labels(signal, "queue_full").inc(accepted)
             raise Overloaded(str(exc), self.retry_after) from None
+        # The queue holds what it needs of them; the receiver's frame must not hold the spans until the commit.
+        decoded.spans = []
         if admission is not None:
             admission.until(submission.committed)
         t.queue_items.set(self.queue.items)
@@ -199,7 +202,7 @@ class Ingest:
         except StorageUnavailable as exc:
             raise Unavailable(str(exc), self.health.retry_after()) from None
         message = "; ".join(m for m in (decoded.error_message, self.truncation_note(decoded.truncated)) if m)
-        return Accepted(decoded.rejected, message, decoded.accepted)
+        return Accepted(decoded.rejected, message, accepted)
 
     def count_future(self, signal: str, service: str, host: str, count: int) -> None:
         """Count a sender's records dated beyond the clock, and say so once in a while, naming the sender."""

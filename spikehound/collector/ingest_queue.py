@@ -19,37 +19,57 @@ from dataclasses import dataclass, field
 
 from spikehound.export_outcome import QueueFull
 from spikehound.model import MetricPoint, Span
+from spikehound.otlp import encode_spans
+from spikehound.storage.writer import SpanBlock
 
 
 @dataclass(slots=True)
 class Submission:
-    """One accepted request, waiting for its commit."""
+    """One accepted request, waiting for its commit.
 
+    Its spans wait as ``block`` (their encoding and what the writer needs of them); ``spans`` keeps the decoded
+    spans only where this process reads them after the commit (``IngestQueue.keep_spans``), else it is empty.
+    """
+
+    block: SpanBlock | None  # None for metrics
     spans: list[Span]
     points: list[MetricPoint]
-    payload: bytes  # the encoded request holding exactly ``spans`` (empty for metrics)
     committed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def __len__(self) -> int:
-        return len(self.spans) + len(self.points)
+        return self.span_count + len(self.points)
+
+    @property
+    def span_count(self) -> int:
+        return self.block.span_count if self.block is not None else 0
 
 
 class IngestQueue:
-    """FIFO of submissions with a capacity in items; use from the event loop only."""
+    """FIFO of submissions with a capacity in items; use from the event loop only.
 
-    def __init__(self, capacity: int) -> None:
+    ``keep_spans``: whether submissions keep their decoded spans until the commit (a detector or commit hook in
+    this process reads them); when the detection process decodes the stored blocks itself, they are dropped at
+    once (see :class:`~spikehound.storage.writer.SpanBlock` for why).
+    """
+
+    def __init__(self, capacity: int, *, keep_spans: bool = True) -> None:
         self.capacity = capacity
+        self.keep_spans = keep_spans
         self.items = 0  # queued plus being written
         self._queue: deque[Submission] = deque()
         self._ready = asyncio.Event()
 
     def offer(self, spans: list[Span], points: list[MetricPoint], payload: bytes = b"") -> Submission:
-        """Queue a request or raise QueueFull; await ``.committed`` for the commit."""
+        """Queue a request or raise QueueFull; await ``.committed`` for the commit.
+
+        ``payload`` is the encoded request holding exactly ``spans`` (encoded here when empty).
+        """
         size = len(spans) + len(points)
         # A request larger than the whole capacity still gets in when the queue is empty.
         if self.items and self.items + size > self.capacity:
             raise QueueFull(f"ingest queue full ({self.items} of {self.capacity} items waiting)")
-        sub = Submission(spans, points, payload)
+        block = SpanBlock.of(payload or encode_spans(spans).SerializeToString(), spans) if spans else None
+        sub = Submission(block, spans if self.keep_spans else [], points)
         self._queue.append(sub)
         self.items += size
         self._ready.set()

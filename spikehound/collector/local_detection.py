@@ -37,6 +37,8 @@ log = logging.getLogger("spikehound.collector.detection")
 class LocalDetection:
     """Implements the pipeline's ``CommitDetection``; its calls come from the pipeline's one task."""
 
+    reads_spans = True  # the detectors take each commit's decoded spans
+
     def __init__(self, driver: DetectionDriver, engine: Engine, writer_thread: WriterThread, health: StorageHealth,
                  telemetry: CollectorTelemetry, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.driver = driver

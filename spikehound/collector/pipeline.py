@@ -28,7 +28,7 @@ from spikehound.collector.telemetry import CollectorTelemetry
 from spikehound.collector.writer_thread import WriterThread
 from spikehound.config import CollectorConfig
 from spikehound.detectors.engine import Detection
-from spikehound.storage.writer import SpanBlock, WriteBatch, Writer
+from spikehound.storage.writer import WriteBatch, Writer
 
 __all__ = ["CommitDetection", "CommitPath", "Flush", "IngestPipeline", "PipelineParts", "PipelineSettings"]
 
@@ -52,6 +52,9 @@ class CommitDetection(Protocol):
     stored). A call may await the writer thread, never block the event loop; ``committed`` holds up every
     later commit while it runs.
     """
+
+    # Whether ``committed`` reads the batch's decoded spans (else only its stored blocks' encodings).
+    reads_spans: bool
 
     async def start(self, flush: Flush) -> None:
         """Before the pipeline takes its queue: continue from the checkpoint."""
@@ -142,6 +145,8 @@ class IngestPipeline:
         self.health = path.health
         self.telemetry = path.telemetry
         self.parts = parts
+        # Without detection (a cluster's member) the commit hooks count the spans (span metrics).
+        queue.keep_spans = parts.detection is None or parts.detection.reads_spans
         # Told of every committed batch, on the writer thread; a failing hook never fails the commit.
         self.commit_hooks = parts.hooks
         # Seconds for the idle ticks; tests step it instead of waiting.
@@ -192,7 +197,7 @@ class IngestPipeline:
             if taken:
                 # Only spans make input busy: agents' host metrics keep coming when span traffic stops (a
                 # quiet night, a dead service), and idle ticks must still come.
-                if any(sub.spans for sub in taken):
+                if any(sub.block is not None for sub in taken):
                     self._last_spans = self.clock()
                 await self._commit(taken)
                 if self.clock() - self._last_spans >= self.settings.idle_flush_seconds:
@@ -207,6 +212,7 @@ class IngestPipeline:
 
     async def _commit(self, taken: list[Submission]) -> None:
         spans = [s for sub in taken for s in sub.spans]
+        span_count = sum(sub.span_count for sub in taken)
         points = [p for sub in taken for p in sub.points]
         detection = self.parts.detection
         if detection is not None and not self.health.available:
@@ -215,7 +221,7 @@ class IngestPipeline:
             await detection.backlogs_coming(unless_holding=True)
         out = detection.take_outgoing() if detection is not None else Detection()
         try:
-            blocks = [SpanBlock(sub.payload, sub.spans) for sub in taken if sub.spans]
+            blocks = [sub.block for sub in taken if sub.block is not None]
             await self._write(WriteBatch(spans=spans, points=points, windows=out.windows, spikes=out.spikes,
                                          blocks=blocks))
         except Exception as exc:
@@ -225,7 +231,7 @@ class IngestPipeline:
             for sub in taken:
                 if not sub.committed.done():
                     sub.committed.set_exception(error)
-            self.telemetry.dropped.labels("spans", "storage_error").inc(len(spans))
+            self.telemetry.dropped.labels("spans", "storage_error").inc(span_count)
             self.telemetry.dropped.labels("metrics", "storage_error").inc(len(points))
             await self._backoff(exc)
             return
@@ -235,7 +241,7 @@ class IngestPipeline:
         for sub in taken:
             if not sub.committed.done():  # the sender may have gone away; its data is stored anyway
                 sub.committed.set_result(None)
-        self.telemetry.stored.labels("spans").inc(len(spans))
+        self.telemetry.stored.labels("spans").inc(span_count)
         self.telemetry.stored.labels("metrics").inc(len(points))
         if detection is not None:
             detection.sent(out, committed=True)
@@ -247,7 +253,7 @@ class IngestPipeline:
         Only the commit may raise: the hooks and detection after it count their own failures, so that a batch
         on disk is never answered as a failed write.
         """
-        member = self.parts.member if batch.spans or batch.points else None
+        member = self.parts.member if batch.span_count or batch.points else None
         if member is not None:
             batch = replace(batch, feed=member.stamp())
         try:

@@ -35,6 +35,7 @@ from spikehound.storage.cluster import FeedStamp, add_feed_row
 from spikehound.units import NS
 
 HOST_TOUCH_INTERVAL_NS = NS  # hosts.last_seen_at is refreshed at most once a second
+TRACE_ID_BYTES = 16
 OPERATION_REFRESH_SECONDS = 3600  # operations.first_seen_at is refreshed at most once an hour
 CACHE_ENTRY_BYTES = 200  # a cache entry's memory besides its strings: key tuple, value, dict slot
 CACHE_MAX_BYTES = {"operations": 32 * 2**20, "series": 16 * 2**20, "host_touched": 4 * 2**20}
@@ -42,17 +43,70 @@ CACHE_MAX_BYTES = {"operations": 32 * 2**20, "series": 16 * 2**20, "host_touched
 
 @dataclass(slots=True, frozen=True)
 class SpanBlock:
-    """One export request as stored: its OTLP encoding and the spans it holds."""
+    """One export request as stored: its OTLP encoding and what the writer needs of the spans it holds.
 
-    payload: bytes  # ExportTraceServiceRequest with exactly ``spans``
-    spans: Sequence[Span]
+    The spans themselves are not kept: a decoded span is eight of Python's small objects (about 580 bytes in
+    its arenas), and the ingest queue, filled in a storage or detection stall, would hold 200,000 of them.
+    Python never gives back an arena that still holds one live object, so each such stall left the
+    collector's RSS higher for good (the soak's slow rise). What is kept here is a few objects a block.
+
+    >>> from spikehound.model import Span, SpanKind, StatusCode
+    >>> def span(trace, name, start, end):
+    ...     return Span(trace_id=trace * 16, span_id=b"s" * 8, parent_span_id=None, service="gw", host="h1",
+    ...                 name=name, kind=SpanKind.SERVER, start_unix_nano=start, end_unix_nano=end,
+    ...                 status=StatusCode.OK)
+    >>> block = SpanBlock.of(b"...", [span(b"a", "GET /", 10, 50), span(b"b", "GET /", 20, 25)])
+    >>> block.span_count, block.start_ns, block.end_ns, block.max_duration_ns, sorted(block.operations)
+    (2, 10, 50, 40, [('gw', 'GET /')])
+    >>> sorted(block.trace_id_list())
+    [b'aaaaaaaaaaaaaaaa', b'bbbbbbbbbbbbbbbb']
+    """
+
+    payload: bytes  # ExportTraceServiceRequest with exactly the spans described
+    span_count: int
+    start_ns: int
+    end_ns: int
+    max_start_ns: int
+    max_duration_ns: int
+    services: frozenset[str]
+    operations: frozenset[tuple[str, str]]  # (service, name)
+    hosts: frozenset[str]
+    trace_ids: bytes  # the distinct trace ids, TRACE_ID_BYTES each, end to end: one object, not one an id
+
+    @classmethod
+    def of(cls, payload: bytes, spans: Sequence[Span]) -> SpanBlock:
+        """The block of ``spans`` (at least one) encoded as ``payload``.
+
+        A few tight passes (comprehensions on slots, ``min``/``max``/``map`` in C): this runs for every span on
+        the ingest hot path.
+        """
+        starts, ends = [s.start_unix_nano for s in spans], [s.end_unix_nano for s in spans]
+        trace_ids = {s.trace_id for s in spans}
+        if any(len(t) != TRACE_ID_BYTES for t in trace_ids):
+            raise ValueError(f"a stored span's trace id is {TRACE_ID_BYTES} bytes")
+        return cls(payload, len(spans), min(starts), max(ends), max(starts), max(map(sub, ends, starts)),
+                   frozenset({s.service for s in spans}), frozenset({(s.service, s.name) for s in spans}),
+                   frozenset({s.host for s in spans if s.host}), b"".join(trace_ids))
+
+    def trace_id_list(self) -> list[bytes]:
+        """The block's distinct trace ids."""
+        ids, n = self.trace_ids, TRACE_ID_BYTES
+        return [ids[i:i + n] for i in range(0, len(ids), n)]
+
+    def service_rows(self, block_id: int) -> list[dict[str, Any]]:
+        """One ``span_block_services`` row per service, with the block's range (a search decodes and filters)."""
+        return [{"block_id": block_id, "service": service, "min_start_ns": self.start_ns,
+                 "max_start_ns": self.max_start_ns, "max_duration_ns": self.max_duration_ns}
+                for service in sorted(self.services)]
 
 
 @dataclass(slots=True)
 class WriteBatch:
     """Everything one transaction commits.
 
-    ``spans`` are stored as ``blocks``; without blocks they are encoded into one.
+    ``spans`` are stored as ``blocks``; without blocks they are encoded into one. With blocks, ``spans`` are
+    the same spans where somebody in this process still reads them after the commit, else empty (see
+    :class:`SpanBlock`).
     """
 
     spans: Sequence[Span] = ()
@@ -64,7 +118,11 @@ class WriteBatch:
     feed: FeedStamp | None = None
 
     def __len__(self) -> int:
-        return len(self.spans) + len(self.points)
+        return self.span_count + len(self.points)
+
+    @property
+    def span_count(self) -> int:
+        return sum(b.span_count for b in self.blocks) if self.blocks else len(self.spans)
 
 
 def _fit(value: str, limit: int | None) -> str:
@@ -195,12 +253,14 @@ class Writer:
         now_s = now_ns // NS
         pending = _Caches()
         with self.engine.begin() as conn:
-            block_ids = self._write_spans(conn, batch, now_s, pending) if batch.spans else []
+            blocks = batch.blocks or ([SpanBlock.of(encode_spans(batch.spans).SerializeToString(), batch.spans)]
+                                      if batch.spans else [])
+            block_ids = self._write_spans(conn, blocks, now_s, pending) if blocks else []
             if batch.points:
                 self._write_points(conn, batch.points, now_s, pending)
             if batch.feed is not None and (block_ids or batch.points):
                 add_feed_row(conn, batch.feed, block_ids, batch.points)
-            hosts = {s.host for s in batch.spans if s.host} | {p.host for p in batch.points}
+            hosts = {p.host for p in batch.points}.union(*(b.hosts for b in blocks))
             touched = self._cache["host_touched"]
             touch = [{"host": h, "last_seen_at": now_ns} for h in sorted(hosts)
                      if now_ns - (touched.get(h) or 0) >= HOST_TOUCH_INTERVAL_NS]
@@ -241,16 +301,15 @@ class Writer:
                      "period_ns": s.period_ns, "samples": s.samples, "ingested_at": now_s} for s in stacks]
             conn.execute(self._profile_samples, _fit_rows(schema.profile_samples, rows))
 
-    def _write_spans(self, conn: Any, batch: WriteBatch, now_s: int, pending: _Caches) -> list[int]:
-        """Write the batch's span blocks; their ids, in order."""
-        # The entries' own get: a method of ours around it would cost a Python call a span.
+    def _write_spans(self, conn: Any, blocks: Sequence[SpanBlock], now_s: int, pending: _Caches) -> list[int]:
+        """Write the span blocks; their ids, in order."""
         recorded, due = self._cache["operations"].entries.get, now_s - OPERATION_REFRESH_SECONDS
         fresh = pending.operations
-        for s in batch.spans:
-            op = (s.service, s.name)
-            last = recorded(op)
-            if (last is None or last <= due) and op not in fresh:
-                fresh[op] = now_s
+        for block in blocks:
+            for op in block.operations:
+                last = recorded(op)
+                if (last is None or last <= due) and op not in fresh:
+                    fresh[op] = now_s
         if fresh:
             rows = _fit_rows(schema.operations, [{"service": service, "name": name, "first_seen_at": now_s}
                                                  for service, name in fresh])
@@ -258,16 +317,14 @@ class Writer:
             # a PostgreSQL lock the rows of one batch in the same order.
             unique = {(r["service"], r["name"]): r for r in rows}
             conn.execute(self._operations, [unique[k] for k in sorted(unique)])
-        blocks = batch.blocks or [SpanBlock(encode_spans(batch.spans).SerializeToString(), batch.spans)]
-        stats = [_BlockStats.of(block.spans) for block in blocks]
         block_ids: list[int] = list(conn.execute(self._block, [{
-            "ingested_at": now_s, "span_count": len(block.spans), "start_ns": st.start_ns, "end_ns": st.end_ns,
-            "payload": block.payload} for block, st in zip(blocks, stats, strict=True)]).scalars())
+            "ingested_at": now_s, "span_count": block.span_count, "start_ns": block.start_ns,
+            "end_ns": block.end_ns, "payload": block.payload} for block in blocks]).scalars())
         index_rows: list[tuple[bytes, int]] = []
         service_rows: list[dict[str, Any]] = []
-        for block, st, block_id in zip(blocks, stats, block_ids, strict=True):
-            index_rows.extend((trace_id, block_id) for trace_id in {s.trace_id for s in block.spans})
-            service_rows += st.service_rows(block_id)
+        for block, block_id in zip(blocks, block_ids, strict=True):
+            index_rows.extend((trace_id, block_id) for trace_id in block.trace_id_list())
+            service_rows += block.service_rows(block_id)
         if self._index_as_arrays:
             conn.exec_driver_sql(self._trace_block_sql, ([t for t, _ in index_rows], [b for _, b in index_rows]))
         else:
@@ -338,31 +395,3 @@ def _window_row(w: LatencyWindow) -> dict[str, Any]:
             "start_ns": w.start_unix_nano,
             "end_ns": w.end_unix_nano, "count": w.count, "p50_ns": w.p50_ns, "p95_ns": w.p95_ns,
             "p99_ns": w.p99_ns, "max_ns": w.max_ns}
-
-
-
-@dataclass(slots=True, frozen=True)
-class _BlockStats:
-    """A block's time range, and what trace search needs of it: its services, latest start, longest span.
-
-    A few tight passes (comprehensions on slots, ``min``/``max``/``map`` in C): this runs for every span on the
-    ingest hot path.
-    """
-
-    start_ns: int
-    end_ns: int
-    max_start_ns: int
-    max_duration_ns: int
-    services: frozenset[str]
-
-    @classmethod
-    def of(cls, spans: Sequence[Span]) -> _BlockStats:
-        starts, ends = [s.start_unix_nano for s in spans], [s.end_unix_nano for s in spans]
-        return cls(min(starts), max(ends), max(starts), max(map(sub, ends, starts)),
-                   frozenset({s.service for s in spans}))
-
-    def service_rows(self, block_id: int) -> list[dict[str, Any]]:
-        """One ``span_block_services`` row per service, with the block's range (a search decodes and filters)."""
-        return [{"block_id": block_id, "service": service, "min_start_ns": self.start_ns,
-                 "max_start_ns": self.max_start_ns, "max_duration_ns": self.max_duration_ns}
-                for service in sorted(self.services)]
