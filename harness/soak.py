@@ -54,8 +54,11 @@ GAUGES = {"open_windows": "spikehound_latency_open_windows", "streams": "spikeho
           "late_spans": "spikehound_latency_late_spans_total"}
 # The collector's own process by allocator (spikehound/collector/memory_metrics.py), MB: which part of a rise
 # is a cache filling (sqlite), C memory in use (malloc_used) or free in its heaps (malloc_free), or Python's
-# objects (python_kblocks: its allocated blocks, in thousands, beside them in each sample's heap_mb).
+# objects (python_kblocks: its allocated blocks, in thousands, beside them in each sample's heap_mb) and its
+# small-object arenas (python_arena_mapped: what the RSS holds of them; python_arena_in_use: their live blocks;
+# python_arena_peak_mapped: the most they ever held at once).
 HEAP_KINDS = ("malloc_used", "malloc_free", "sqlite")
+PYTHON_KINDS = ("python_kblocks", "python_arena_mapped", "python_arena_in_use", "python_arena_peak_mapped")
 
 
 def lateness_s(speed: float) -> float:
@@ -452,6 +455,9 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                               if (v := sample(metrics, "spikehound_process_heap_bytes", allocator=kind)) is not None}
             if (blocks := sample(metrics, "spikehound_process_python_blocks")) is not None:
                 row["heap_mb"]["python_kblocks"] = round(blocks / 1000, 1)
+            for state in ("mapped", "in_use", "peak_mapped"):
+                if (arena := sample(metrics, "spikehound_process_python_arena_bytes", state=state)):
+                    row["heap_mb"][f"python_arena_{state}"] = round(arena / 2**20, 1)
             row["stored_spans"] = sample(metrics, "spikehound_ingest_stored_total", signal="spans")
         except Exception as exc:  # a collector restarting: the row says so
             row["scrape_error"] = str(exc)[:200]
@@ -699,7 +705,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                 kind: slope(lambda s: s["collector"], True, f"detect_{kind}_mb")
                 for kind in MEMORY_KINDS},
             "collector_process_slope_by_allocator_mb_per_h": {
-                kind: slope(lambda s: s.get("heap_mb"), True, kind) for kind in (*HEAP_KINDS, "python_kblocks")},
+                kind: slope(lambda s: s.get("heap_mb"), True, kind) for kind in (*HEAP_KINDS, *PYTHON_KINDS)},
             "collector_pss_mb_by_life": life_levels(self.samples, "pss_mb"),
             "collector_rss_mb_max": max((s["collector"]["rss_mb"] for s in self.samples if s.get("collector")),
                                         default=None),

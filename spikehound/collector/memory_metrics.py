@@ -20,11 +20,12 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from spikehound.heap import heap_used_and_free_bytes, sqlite_heap_bytes
+from spikehound.heap import heap_used_and_free_bytes, python_arenas, sqlite_heap_bytes
 
 
 class ProcessMemoryMetrics(Collector):
-    """``spikehound_process_heap_bytes{allocator}`` and ``spikehound_process_python_blocks`` of this process."""
+    """``spikehound_process_heap_bytes{allocator}``, ``spikehound_process_python_arena_bytes{state}`` and
+    ``spikehound_process_python_blocks`` of this process."""
 
     def collect(self) -> Iterator[Metric]:
         heap = GaugeMetricFamily(
@@ -40,6 +41,17 @@ class ProcessMemoryMetrics(Collector):
         heap.add_metric(["malloc_free"], free)
         heap.add_metric(["sqlite"], sqlite_heap_bytes())
         yield heap
+        arenas = GaugeMetricFamily(
+            "spikehound_process_python_arena_bytes",
+            "Bytes of Python's small-object arenas by state: mapped (what the RSS holds of them), in_use (in "
+            "their allocated blocks), peak_mapped (the most mapped at once since start). Mapped far above in use "
+            "is a burst's peak that a few live objects keep from being given back. 0 where unknown.",
+            labels=["state"])
+        now = python_arenas()
+        arenas.add_metric(["mapped"], now.mapped)
+        arenas.add_metric(["in_use"], now.in_use)
+        arenas.add_metric(["peak_mapped"], now.peak_mapped)
+        yield arenas
         yield GaugeMetricFamily("spikehound_process_python_blocks",
                                 "Memory blocks Python has allocated and not freed (its objects): flat while "
                                 "the RSS rises is memory freed but not given back, not objects kept.",
