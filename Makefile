@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.alert_latency
 	$(BIN)/python -m benchmarks.memory_abuse
 	$(BIN)/python -m benchmarks.resume_memory
+	$(BIN)/python -m benchmarks.arena_bursts
 	$(BIN)/python -m benchmarks.profile_diff
 	$(BIN)/python -m benchmarks.fuzz
 	$(BIN)/python -m benchmarks.api_fuzz
