@@ -213,6 +213,39 @@ def test_a_request_is_stored_as_received_minus_its_rejected_spans(engine):
     assert count_rows(engine, "trace_blocks") == 3  # (5, first), (5, second), (6, second)
 
 
+def test_blocks_alone_store_what_their_spans_would(engine, tmp_path):
+    """The collector's own path when detection has its process: the queue keeps each request's block, not its
+    decoded spans; the writer must store the same traces, operations, trace index and hosts from the blocks."""
+    spans = [make_span(1, 1), make_span(1, 2, 1, name="forward"), make_span(2, 1, name="GET /health")]
+    blocks = [SpanBlock.of(encode_spans(part).SerializeToString(), part) for part in (spans[:2], spans[2:])]
+    Writer(engine).write(WriteBatch(blocks=blocks), now_ns=NOW)
+    with_spans = make_engine(f"sqlite:///{tmp_path / 'with-spans.db'}")
+    try:
+        upgrade(with_spans)
+        Writer(with_spans).write(WriteBatch(spans=spans, blocks=blocks), now_ns=NOW)
+        for e in (engine, with_spans):
+            reader = Reader(e)
+            assert [view(s) for s in reader.trace(tid(1))] == [view(s) for s in spans[:2]]
+            assert [view(s) for s in reader.trace(tid(2))] == [view(s) for s in spans[2:]]
+            assert [(service, sorted(ops)) for service, ops in reader.services()] == [
+                ("gateway", ["GET /health", "POST /predict", "forward"])]
+            assert [h.host for h in reader.hosts()] == [spans[0].host]
+            assert (count_rows(e, "span_blocks"), count_rows(e, "trace_blocks")) == (2, 2)
+    finally:
+        with_spans.dispose()
+
+
+def test_a_block_keeps_one_object_for_its_trace_ids_and_refuses_an_id_storage_cannot_index():
+    spans = [make_span(t, 1) for t in (3, 1, 3, 2)]
+    block = SpanBlock.of(b"payload", spans)
+    assert (block.span_count, sorted(block.trace_id_list())) == (4, [tid(1), tid(2), tid(3)])
+    assert isinstance(block.trace_ids, bytes)
+    odd = Span(trace_id=b"short", span_id=sid(1), parent_span_id=None, service="gateway", host=None, name="GET /",
+               kind=SpanKind.SERVER, start_unix_nano=T0, end_unix_nano=T0 + MS, status=StatusCode.OK)
+    with pytest.raises(ValueError, match="16 bytes"):
+        SpanBlock.of(b"payload", [odd])
+
+
 def test_a_retried_batch_is_served_once(engine):
     spans = [make_span(1, 1), make_span(1, 2, 1, name="forward"), make_span(2, 1)]
     batch = WriteBatch(spans=spans, points=[point(T0, 0.5)])
