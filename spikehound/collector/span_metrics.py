@@ -1,4 +1,4 @@
-"""Span metrics on ```/metrics```: RED metrics derived from every committed span.
+"""Span metrics on ``/metrics``: RED metrics derived from every committed span.
 
 Two sets of series, both fed in bulk after each commit: by the detection process, which decodes every
 committed span anyway, when detection runs in its own (its counts come back with its answers and are added
@@ -17,7 +17,7 @@ here, ``add_counts``), else from the writer thread (the ``add`` commit hook):
 
 Series are bounded (``collector.span_metrics_max_series`` per set), and so are the characters of their label
 values (``LABEL_CHARS_PER_SERIES`` on average per series, so that a few thousand long span names cannot make
-```/metrics``` hundreds of megabytes: each series is written some twenty times). A span of a new series beyond
+``/metrics`` hundreds of megabytes: each series is written some twenty times). A span of a new series beyond
 either bound is counted in ``spikehound_span_metrics_overflow_spans_total`` and aggregated into one overflow
 series labelled ``otel_metric_overflow="true"``, as the connector does, so totals stay right. A series that
 counted nothing for ``SERIES_IDLE_SECONDS`` (10 minutes) is dropped, as the connector's ``metrics_expiration``
@@ -245,13 +245,14 @@ class SpanMetrics:
         return len(self._calls.rows) + len(self._entry.rows)
 
     def exposition(self) -> bytes:
-        """The span metrics in Prometheus's text format (what ```/metrics``` appends to the registry's).
+        """The span metrics in Prometheus's text format (what ``/metrics`` appends to the registry's).
 
         Written series by series, not through ``prometheus_client``'s sample objects: a scrape of 2,000 series
         made 40,000 of them (a labels dict and a tuple each) alive at once, a burst of 21 MB in Python's
         small-object arenas every scrape, which objects allocated meanwhile by ingest kept from being given
-        back. Here each series' lines are joined into one string (kept by the C allocator, which gives it
-        back) as soon as they are written, so a scrape holds a few small objects at a time.
+        back. Here each series' lines are joined into one string as soon as they are written (a histogram's,
+        some 3 KB, is the C allocator's, which gives it back), so a scrape holds a string and a labels dict a
+        series: no arena more (``benchmarks/arena_bursts.py``), and a fifth of the time.
         """
         with self._lock:
             calls_rows, calls_overflow = self._calls.snapshot()

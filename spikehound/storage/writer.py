@@ -35,7 +35,7 @@ from spikehound.storage.cluster import FeedStamp, add_feed_row
 from spikehound.units import NS
 
 HOST_TOUCH_INTERVAL_NS = NS  # hosts.last_seen_at is refreshed at most once a second
-TRACE_ID_BYTES = 16
+TRACE_ID_BYTES = 16  # what decode_spans accepts and the trace index holds
 OPERATION_REFRESH_SECONDS = 3600  # operations.first_seen_at is refreshed at most once an hour
 CACHE_ENTRY_BYTES = 200  # a cache entry's memory besides its strings: key tuple, value, dict slot
 CACHE_MAX_BYTES = {"operations": 32 * 2**20, "series": 16 * 2**20, "host_touched": 4 * 2**20}
@@ -46,9 +46,10 @@ class SpanBlock:
     """One export request as stored: its OTLP encoding and what the writer needs of the spans it holds.
 
     The spans themselves are not kept: a decoded span is eight of Python's small objects (about 580 bytes in
-    its arenas), and the ingest queue, filled in a storage or detection stall, would hold 200,000 of them.
-    Python never gives back an arena that still holds one live object, so each such stall left the
-    collector's RSS higher for good (the soak's slow rise). What is kept here is a few objects a block.
+    its arenas), and the ingest queue, filled in a storage or detection stall, holds up to
+    ``collector.queue_capacity`` (200,000) of them. Python never gives back an arena that still holds one
+    live object, so a stall that filled it left the collector's RSS higher for good. What is kept here is a
+    few objects a block (``benchmarks/arena_bursts.py``: 1 MB of arenas for 100,000 queued spans, 53 before).
 
     >>> from spikehound.model import Span, SpanKind, StatusCode
     >>> def span(trace, name, start, end):
