@@ -58,6 +58,7 @@ class _Export:
             request = self.parse(body)
             self.ingest.check_room(self.signal, count_items(request))
             decoded = self.decode(request, body, limits=self.ingest.limits, not_after_ns=self.ingest.not_after_ns())
+            del request  # its parse (several times the body) is not held through the wait for the commit
             return await self.ingest.submit(decoded, self.signal, "grpc", admission)
 
         return await _answer(self.ingest, self.token, context, self.response, self.rejected_field, take)

@@ -173,6 +173,7 @@ class HttpReceiver:
                 return status_response(400, str(exc), as_json)
             except Overloaded as exc:
                 return status_response(429, str(exc), as_json, retry_after=exc.retry_after)
+            del request_message  # its parse (several times the body) is not held through the wait for the commit
             try:
                 accepted = await self.ingest.submit(decoded, signal, "http", admission)
             except InvalidPayload as exc:
