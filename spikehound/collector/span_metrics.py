@@ -252,7 +252,7 @@ class SpanMetrics:
         small-object arenas every scrape, which objects allocated meanwhile by ingest kept from being given
         back. Here each series' lines are joined into one string as soon as they are written (a histogram's,
         some 3 KB, is the C allocator's, which gives it back), so a scrape holds a string and a labels dict a
-        series: no arena more (``benchmarks/arena_bursts.py``), and a fifth of the time.
+        series: no arena more (``benchmarks/arena_bursts.py``), and a sixth of the time.
         """
         with self._lock:
             calls_rows, calls_overflow = self._calls.snapshot()
