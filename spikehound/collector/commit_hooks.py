@@ -25,7 +25,9 @@ class CommitHook(Protocol):
     it to return, and every later commit does too, so it must not block (no I/O, no lock the event loop holds)
     and should take little time per record. It may raise: the exception is counted and the batch stays
     committed and acknowledged, the next hook still runs. It must not change ``batch``; it may be a batch of
-    windows and spikes alone, with no spans or points.
+    windows and spikes alone, with no spans or points. Its decoded ``spans`` are there only where this process
+    reads them (``IngestQueue.keep_spans``: without the detection process); ``span_count`` and ``blocks`` are
+    always there.
     """
 
     def __call__(self, batch: WriteBatch, /) -> None: ...
