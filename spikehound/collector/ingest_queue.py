@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from spikehound.export_outcome import QueueFull
 from spikehound.model import MetricPoint, Span
-from spikehound.otlp import encode_spans
 from spikehound.storage.writer import SpanBlock
 
 
@@ -68,7 +67,7 @@ class IngestQueue:
         # A request larger than the whole capacity still gets in when the queue is empty.
         if self.items and self.items + size > self.capacity:
             raise QueueFull(f"ingest queue full ({self.items} of {self.capacity} items waiting)")
-        block = SpanBlock.of(payload or encode_spans(spans).SerializeToString(), spans) if spans else None
+        block = SpanBlock.of(payload, spans) if spans else None
         sub = Submission(block, spans if self.keep_spans else [], points)
         self._queue.append(sub)
         self.items += size

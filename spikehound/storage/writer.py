@@ -76,7 +76,7 @@ class SpanBlock:
 
     @classmethod
     def of(cls, payload: bytes, spans: Sequence[Span]) -> SpanBlock:
-        """The block of ``spans`` (at least one) encoded as ``payload``.
+        """The block of ``spans`` (at least one) encoded as ``payload`` (encoded here when empty).
 
         A few tight passes (comprehensions on slots, ``min``/``max``/``map`` in C): this runs for every span on
         the ingest hot path.
@@ -85,7 +85,8 @@ class SpanBlock:
         trace_ids = {s.trace_id for s in spans}
         if any(len(t) != TRACE_ID_BYTES for t in trace_ids):
             raise ValueError(f"a stored span's trace id is {TRACE_ID_BYTES} bytes")
-        return cls(payload, len(spans), min(starts), max(ends), max(starts), max(map(sub, ends, starts)),
+        return cls(payload or encode_spans(spans).SerializeToString(), len(spans), min(starts), max(ends),
+                   max(starts), max(map(sub, ends, starts)),
                    frozenset({s.service for s in spans}), frozenset({(s.service, s.name) for s in spans}),
                    frozenset({s.host for s in spans if s.host}), b"".join(trace_ids))
 
@@ -254,8 +255,7 @@ class Writer:
         now_s = now_ns // NS
         pending = _Caches()
         with self.engine.begin() as conn:
-            blocks = batch.blocks or ([SpanBlock.of(encode_spans(batch.spans).SerializeToString(), batch.spans)]
-                                      if batch.spans else [])
+            blocks = batch.blocks or ([SpanBlock.of(b"", batch.spans)] if batch.spans else [])
             block_ids = self._write_spans(conn, blocks, now_s, pending) if blocks else []
             if batch.points:
                 self._write_points(conn, batch.points, now_s, pending)
