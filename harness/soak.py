@@ -459,8 +459,14 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
                 if (arena := sample(metrics, "spikehound_process_python_arena_bytes", state=state)):
                     row["heap_mb"][f"python_arena_{state}"] = round(arena / 2**20, 1)
             row["stored_spans"] = sample(metrics, "spikehound_ingest_stored_total", signal="spans")
+            # The writer's commits since the last sample (sum and count) place a cluster of slow answers.
+            row["write_s"] = sample(metrics, "spikehound_storage_write_seconds_sum")
+            row["writes"] = sample(metrics, "spikehound_storage_write_seconds_count")
         except Exception as exc:  # a collector restarting: the row says so
             row["scrape_error"] = str(exc)[:200]
+        # The health answer needs the event loop alone: slow beside a slow list, the process (its loop, the GIL
+        # or the cores) was busy; quick beside it, the list's query was.
+        row["health_ms"] = timed_get(f"{self.api}/healthz")
         answers = [timed_get(f"{self.api}/api/v1/spikes?limit=100") for _ in range(self.settings.api_probes)]
         row["api_ms"] = [round(a, 1) for a in answers if a is not None]
         self.api_ms.extend(row["api_ms"])
