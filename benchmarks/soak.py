@@ -118,9 +118,11 @@ def print_summary(r: dict[str, Any]) -> None:
         return
     keys = ("event_hours", "acked_spans", "canaries", "collector_lives", "rss_slope_mb_per_h", "pss_slope_mb_per_h",
             "collector_process_rss_slope_mb_per_h", "collector_process_rss_trend",
-            "collector_process_slope_by_kind_mb_per_h", "detection_process_rss_trend",
+            "collector_process_rss_less_sqlite_cache_trend", "collector_process_slope_by_kind_mb_per_h",
+            "detection_process_rss_trend",
             "detection_process_slope_by_kind_mb_per_h", "collector_pss_mb_by_life", "collector_rss_mb_max",
-            "collector_fds", "agent_fds", "db_mb_band", "api_p99_ms", "page_p99_ms", "faults", "found", "top1",
+            "collector_fds", "agent_fds", "db_mb_band", "api_p99_ms", "health_p99_ms", "slow_api_samples",
+            "page_p99_ms", "faults", "found", "top1",
             "recall_per_6h", "spikes_per_fault", "false_by_reason", "spikes_paged", "sender_max_lag_s",
             "late_span_share", "spans", "engine_us_per_span", "state_mb_by_hour", "rss_mb_by_hour")
     print(f"\n== soak on {r['storage']}")

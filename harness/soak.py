@@ -276,6 +276,34 @@ def life_levels(samples: list[dict[str, Any]], figure: str = "rss_mb") -> list[f
                            if s["life"] == life and s.get("collector") and figure in s["collector"]])]
 
 
+def percentile(values: list[float], share: float) -> float | None:
+    """The value ``share`` of the way up ``values`` sorted (None when empty), as the soak's answer times use."""
+    ordered = sorted(values)
+    return ordered[int(share * (len(ordered) - 1))] if ordered else None
+
+
+def slow_answers(samples: list[dict[str, Any]], over_ms: float = 200) -> list[dict[str, Any]]:
+    """Each sample whose spike list answered over ``over_ms`` once, with what places it: ``/healthz`` answered
+    just before (the event loop alone), the collector's CPU, and the writer's mean commit since the sample before.
+
+    >>> rows = [{"wall_s": 0, "api_ms": [20], "writes": 10, "write_s": 1.0},
+    ...         {"wall_s": 30, "api_ms": [15, 450], "health_ms": 300.0, "collector": {"cpu": 95.0}, "writes": 20,
+    ...          "write_s": 3.0}]
+    >>> slow_answers(rows)
+    [{'minute': 0.5, 'api_ms': 450, 'health_ms': 300.0, 'cpu': 95.0, 'commit_ms': 200.0}]
+    """
+    slow: list[dict[str, Any]] = []
+    for before, s in zip([{}, *samples], samples, strict=False):
+        if max(s.get("api_ms") or [0]) <= over_ms:
+            continue
+        writes = (s.get("writes") or 0) - (before.get("writes") or 0)
+        spent = (s.get("write_s") or 0) - (before.get("write_s") or 0)
+        slow.append({"minute": round(s["wall_s"] / 60, 1), "api_ms": max(s["api_ms"]), "health_ms": s.get("health_ms"),
+                     "cpu": (s.get("collector") or {}).get("cpu"),
+                     "commit_ms": round(1000 * spent / writes, 1) if writes > 0 and before else None})
+    return slow
+
+
 @dataclass
 class Canary:
     trace: str
@@ -466,7 +494,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             row["scrape_error"] = str(exc)[:200]
         # The health answer needs the event loop alone: slow beside a slow list, the process (its loop, the GIL
         # or the cores) was busy; quick beside it, the list's query was.
-        row["health_ms"] = timed_get(f"{self.api}/healthz")
+        row["health_ms"] = round(health, 1) if (health := timed_get(f"{self.api}/healthz")) is not None else None
         answers = [timed_get(f"{self.api}/api/v1/spikes?limit=100") for _ in range(self.settings.api_probes)]
         row["api_ms"] = [round(a, 1) for a in answers if a is not None]
         self.api_ms.extend(row["api_ms"])
@@ -651,14 +679,23 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             time.sleep(2)
         self.log(f"[{self.storage}] not settled after {timeout:.0f} s")
 
-    def trend(self, hour: float, figure: str = "main_rss_mb") -> dict[str, Any]:
+    def trend(self, hour: float, figure: str = "main_rss_mb", less_sqlite_cache: bool = False) -> dict[str, Any]:
         """One of the collector's processes' RSS after ``hour`` (its own, ``main_rss_mb``, or its detection
         process's, ``detect_rss_mb``): the samples' slope with its standard error, and the 10-minute medians (of
-        the whole run) with their slope, which the samples' swings do not move."""
-        own = [s for s in settled_samples(self.samples) if s.get("collector") and figure in s["collector"]]
-        fit = pooled_fit((s["wall_s"] / 3600, s["collector"][figure], s["life"]) for s in own
-                         if s["wall_s"] >= hour)
-        medians = medians_by(own, lambda s: s["collector"][figure])
+        the whole run) with their slope, which the samples' swings do not move. ``less_sqlite_cache``: without
+        SQLite's page caches (``spikehound_process_heap_bytes{allocator="sqlite"}``), which fill towards their
+        bound (128 MiB) for as long as the database has pages not yet read, hours on a database of 2 GB."""
+
+        def pick(s: dict[str, Any]) -> float | None:
+            value = (s.get("collector") or {}).get(figure)
+            if value is None or not less_sqlite_cache:
+                return value
+            cache = (s.get("heap_mb") or {}).get("sqlite")
+            return None if cache is None else value - cache
+
+        own = [(s, v) for s in settled_samples(self.samples) if (v := pick(s)) is not None]
+        fit = pooled_fit((s["wall_s"] / 3600, v, s["life"]) for s, v in own if s["wall_s"] >= hour)
+        medians = medians_by([s for s, _ in own], pick)
         later = [(minute / 60, mb, 0) for minute, mb in medians if minute * 60 >= hour]
         return {"slope_mb_per_h": fit[0] if fit else None, "standard_error_mb_per_h": fit[1] if fit else None,
                 "medians_slope_mb_per_h": pooled_slope(later) if self.lives == 1 else None,
@@ -678,7 +715,6 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
         fds = [s["collector"]["fds"] for s in self.samples if s.get("collector")]
         agent_fds = [[s["agents"][i]["fds"] for s in self.samples if s["agents"][i]] for i in range(len(self.agents))]
         db = [s["db_bytes"] / 2**20 for s in late] or [s["db_bytes"] / 2**20 for s in self.samples]
-        api = sorted(self.api_ms)
         # Both counters start again with each life: each life's last figures, summed.
         lives: dict[int, tuple[float, float]] = {}
         for s in self.samples:
@@ -703,6 +739,7 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             "collector_process_rss_slope_mb_per_h": slope(lambda s: s["collector"], True, "main_rss_mb"),
             "collector_process_rss_trend": self.trend(hour),
             "detection_process_rss_trend": self.trend(hour, "detect_rss_mb"),
+            "collector_process_rss_less_sqlite_cache_trend": self.trend(hour, less_sqlite_cache=True),
             "collector_process_slope_by_kind_mb_per_h": {
                 kind: slope(lambda s: s["collector"], True, f"main_{kind}_mb")
                 for kind in MEMORY_KINDS},
@@ -718,8 +755,10 @@ allowed_lateness_seconds = {lateness_s(self.settings.speed)}
             "collector_fds": [min(fds, default=0), max(fds, default=0)],
             "agent_fds": [[min(f, default=0), max(f, default=0), f[-1] if f else 0] for f in agent_fds],
             "db_mb_band": [min(db, default=0), max(db, default=0)],
-            "api_p99_ms": api[int(0.99 * (len(api) - 1))] if api else None,
-            "page_p99_ms": sorted(self.page_ms)[int(0.99 * (len(self.page_ms) - 1))] if self.page_ms else None,
+            "api_p99_ms": percentile(self.api_ms, 0.99),
+            "health_p99_ms": percentile([h for s in self.samples if (h := s.get("health_ms")) is not None], 0.99),
+            "slow_api_samples": slow_answers(self.samples),
+            "page_p99_ms": percentile(self.page_ms, 0.99),
             **accuracy_figures(acc), "plan": {"faults": len(plan.faults()), "swings": plan.swings(),
                                               "start_ns": plan.start_ns, "seconds": plan.seconds},
         }
