@@ -163,14 +163,19 @@ def test_a_stopped_detection_process_holds_the_senders_back_without_an_outage_of
         child.suspend()
         eventually(lambda: "for the detection process to take it" in collector.log_text(),
                    "the writer to say it waits for the detection process", timeout=40, every=0.2)
+        waiting_while_stopped = sample(scrape(collector.api), "spikehound_detection_waiting_bytes")
         child.resume()
         load.wait_acked(load.acked + 20)  # taking exports again, from the same detection process
         outages = total(scrape(collector.api), "spikehound_storage_outages_total")
         load.stop()
         eventually(lambda: _counted_as_stored(collector), "every stored span counted once", timeout=30, every=0.2)
+        eventually(lambda: sample(scrape(collector.api), "spikehound_detection_waiting_bytes") == 0,
+                   "the detection process to take what waited", timeout=30, every=0.2)
         same_child = _detection_process(collector).pid == child.pid
     assert outages == 0 and "storage unavailable" not in collector.log_text()
     assert same_child  # resumed within ANSWER_SECONDS: not replaced
+    # What waited for it was on /metrics: near the 32 MiB the writer waits at, the rest still in the pipe
+    assert waiting_while_stopped is not None and waiting_while_stopped > detection_process.WAITING_BYTES / 2
 
 
 def test_a_resume_that_lasts_says_so_while_commits_wait_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -149,7 +149,7 @@ class DetectionDriver:
         """The detection engine's own figures now (the detector metrics read them when scraped, from any thread)."""
         held = self.catch_up.active or self.detection.windows.hold is not None
         return {**self.detection.stats(), "open_windows": self._open_windows, "catching_up": int(held),
-                "process_restarts": 0}
+                "process_restarts": 0, "waiting_bytes": 0}
 
     # -- continuing ----------------------------------------------------------------------------
 

@@ -93,6 +93,11 @@ class _Child:
         self._sender.start()
         self._reader.start()
 
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes handed over and not yet taken by the child (``spikehound_detection_waiting_bytes``)."""
+        return self._waiting_bytes
+
     def send(self, message: tuple[Any, ...], size: int = 0, blocks: list[bytes] | None = None) -> bool:
         """Hand over a message of ``size`` bytes (a feed's span ``blocks``), in order; blocks while WAITING_BYTES
         wait for the child (one message always goes). False when the child is gone: its replacement replays
@@ -246,7 +251,9 @@ class ProcessDetection:
     def stats(self) -> dict[str, int]:
         """The child's figures as of its last answer (from any thread)."""
         with self._lock:
-            return {**self._stats, "process_restarts": self._restarts}
+            stats = {**self._stats, "process_restarts": self._restarts}
+        stats["waiting_bytes"] = self._child.waiting_bytes if self._child is not None else 0
+        return stats
 
     # -- start and stop ---------------------------------------------------------------------------
 

@@ -53,6 +53,9 @@ ENGINE_GAUGES = (
     ("spikehound_detection_catching_up", "catching_up",
      "1 while the latency windows' watermark is held for a backlog to drain (after a storage outage or a "
      "restart from a checkpoint), else 0."),
+    ("spikehound_detection_waiting_bytes", "waiting_bytes",
+     "Bytes of committed span blocks handed to the detection process (detection.own_process) and not yet taken "
+     "by it; at 32 MiB the writer waits for it and the senders are pushed back. 0 with detection in-process."),
 )
 
 
