@@ -284,13 +284,14 @@ def percentile(values: list[float], share: float) -> float | None:
 
 def slow_answers(samples: list[dict[str, Any]], over_ms: float = 200) -> list[dict[str, Any]]:
     """Each sample whose spike list answered over ``over_ms`` once, with what places it: ``/healthz`` answered
-    just before (the event loop alone), the collector's CPU, and the writer's mean commit since the sample before.
+    just before (the event loop alone), the collector's CPU (cores), and the writer's mean commit since the
+    sample before.
 
     >>> rows = [{"wall_s": 0, "api_ms": [20], "writes": 10, "write_s": 1.0},
-    ...         {"wall_s": 30, "api_ms": [15, 450], "health_ms": 300.0, "collector": {"cpu": 95.0}, "writes": 20,
+    ...         {"wall_s": 30, "api_ms": [15, 450], "health_ms": 300.0, "collector": {"cpu": 0.95}, "writes": 20,
     ...          "write_s": 3.0}]
     >>> slow_answers(rows)
-    [{'minute': 0.5, 'api_ms': 450, 'health_ms': 300.0, 'cpu': 95.0, 'commit_ms': 200.0}]
+    [{'minute': 0.5, 'api_ms': 450, 'health_ms': 300.0, 'cpu': 0.95, 'commit_ms': 200.0}]
     """
     slow: list[dict[str, Any]] = []
     for before, s in zip([{}, *samples], samples, strict=False):
