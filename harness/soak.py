@@ -36,6 +36,7 @@ from harness.scrape import sample, scrape
 from harness.soak_traffic import CHURN_MARK, SoakPlan, send
 from harness.webhook_receiver import WebhookReceiver
 from spikehound.agent.forwarder import FLUSH_SECONDS
+from spikehound.detectors.windows import nearest_rank
 from spikehound.timefmt import parse_time
 from spikehound.units import NS
 
@@ -277,9 +278,8 @@ def life_levels(samples: list[dict[str, Any]], figure: str = "rss_mb") -> list[f
 
 
 def percentile(values: list[float], share: float) -> float | None:
-    """The value ``share`` of the way up ``values`` sorted (None when empty), as the soak's answer times use."""
-    ordered = sorted(values)
-    return ordered[int(share * (len(ordered) - 1))] if ordered else None
+    """The ``share`` quantile of ``values`` by nearest rank, as the detectors take a window's p99; None when empty."""
+    return nearest_rank(sorted(values), share) if values else None
 
 
 def slow_answers(samples: list[dict[str, Any]], over_ms: float = 200) -> list[dict[str, Any]]:
